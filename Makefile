@@ -1,0 +1,44 @@
+# `make demo` and `make test` each set up .venv on first use, then run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# Pin the CPU build the project is developed against; CUDA users install their own torch first.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test lint data clean bench
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+# Fashion-MNIST: Debian's package when we are root on Debian; otherwise steadydiff downloads it
+# (with SHA-256 checks) on first use, or prints how to get it.
+data:
+	@if [ ! -d /usr/share/datasets/fashion-mnist ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) || \
+	  echo "note: could not install dataset-fashion-mnist; steadydiff will try to download it"; \
+	fi
+
+demo: $(STAMP) data
+	$(BIN)/steadydiff train --config configs/demo.yaml --out runs/demo
+	$(BIN)/steadydiff sample runs/demo --n 64 --sampler dpmpp2m --steps 30 --seed 0 --out runs/demo/samples-final.png
+	@echo "Outputs: runs/demo/ (samples-final.png, curves.png, metrics.jsonl, checkpoints/)"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+test: $(STAMP) data lint
+	$(BIN)/python -m pytest tests
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,264 @@
+"""Run configuration: dataclasses loaded from YAML, with `--set a.b=c` overrides.
+
+One `Config` describes a run completely; `RUN_DIR/config.yaml` holds the resolved copy. Unknown keys and
+values outside a field's choices are errors that list what is valid (`ConfigError`, one line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the fix."""
+
+
+@dataclass
+class DataConfig:
+    name: Literal["fashion_mnist", "toy2d", "folder"] = "fashion_mnist"
+    split: Literal["train", "test"] = "train"
+    resolution: int = 28  # images: side length; must match the dataset (folder data is resized to it)
+    root: str | None = None  # folder dataset root, or an explicit directory holding the Fashion-MNIST idx files
+    labels: bool = False  # folder: class labels from sub-folder names
+    hflip: bool = False  # random horizontal flip
+    toy: Literal["8gaussians", "swissroll", "checkerboard"] = "8gaussians"
+    toy_size: int = 20000  # number of toy2d points
+    max_items: int | None = None  # use only the first N items (quick runs, tests)
+
+
+@dataclass
+class ModelConfig:
+    backbone: Literal["unet", "mlp_unet"] = "unet"
+    skip_scaling: Literal["org", "inv_sqrt2", "cs", "ls", "ls_ns"] = "org"
+    kappa: float = 0.5  # CS: LSC i (1 = outermost) is scaled by kappa**(i-1)
+    ls_reduction: int = 16  # LS gate bottleneck ratio r
+    channels: int = 64  # unet: base channel count
+    channel_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
+    num_res_blocks: int = 2
+    attn_resolutions: list[int] = field(default_factory=lambda: [7])
+    num_heads: int = 4
+    dropout: float = 0.0
+    num_classes: int = 0  # > 0: class-conditional (label embedding added to the time embedding)
+    hidden: int = 128  # mlp_unet: width
+    depth: int = 3  # mlp_unet: encoder blocks (= number of long skips)
+
+
+@dataclass
+class DiffusionConfig:
+    kind: Literal["vp"] = "vp"
+    beta_min: float = 0.1
+    beta_max: float = 20.0
+    t_eps: float = 1e-5  # t ~ U(t_eps, 1)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 2e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    grad_clip: float | None = 1.0  # max global grad norm; null disables
+    grad_accum: int = 1  # micro-batches per optimiser step (batch_size is split across them)
+    ema_decay: float = 0.999
+    ema_warmup: bool = True  # decay_k = min(ema_decay, (1 + k) / (10 + k))
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    bf16: bool = False  # bf16 autocast (CPU AMX or CUDA); parameters and optimiser stay fp32
+    log_every: int = 50
+    ckpt_every: int = 500
+    keep_ckpts: int = 2
+    sample_every: int = 0  # 0: only at the end
+    sample_n: int = 64
+    sample_sampler: Literal["em", "ddim", "dpmpp2m"] = "dpmpp2m"
+    sample_steps: int = 30
+    threads: int | None = None  # torch intra-op threads; null keeps torch's default
+    fault_nan_at_step: int | None = None  # testing: make the loss NaN at this step
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation and coercion
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp` (after `from __future__` strings are resolved)."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not a valid value; choose one of {', '.join(map(str, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key}: null is not allowed")
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is list:
+        (inner,) = get_args(tp)
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list like [1, 2], got {value!r}")
+        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(where + n for n in names)}"
+        )
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        key = f"{prefix}.{name}" if prefix else name
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], key)
+        else:
+            kwargs[name] = _coerce(data[name], tp, key)
+    obj = cls(**kwargs)
+    return obj
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Values of the right type that still make no sense."""
+    t, m, d = cfg.train, cfg.model, cfg.data
+    positive = {
+        "train.steps": t.steps, "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
+        "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.keep_ckpts": t.keep_ckpts,
+        "train.sample_n": t.sample_n, "train.sample_steps": t.sample_steps, "data.resolution": d.resolution,
+        "model.channels": m.channels, "model.hidden": m.hidden, "model.depth": m.depth,
+        "model.ls_reduction": m.ls_reduction, "model.num_heads": m.num_heads,
+    }
+    for key, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {v}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    if not 0 < m.kappa <= 1:
+        raise ConfigError(f"model.kappa: must be in (0, 1], got {m.kappa}")
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"train.ema_decay: must be in [0, 1), got {t.ema_decay}")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {t.betas}")
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(
+            f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})"
+        )
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout: must be in [0, 1), got {m.dropout}")
+    if not m.channel_mult:
+        raise ConfigError("model.channel_mult: must list at least one level, e.g. [1, 2, 2]")
+    if d.name == "folder" and not d.root:
+        raise ConfigError("data.root: the folder dataset needs data.root=PATH/TO/IMAGES")
+    if not 0 < cfg.diffusion.t_eps < 1:
+        raise ConfigError(f"diffusion.t_eps: must be in (0, 1), got {cfg.diffusion.t_eps}")
+
+
+def config_from_dict(data: dict[str, Any] | None) -> Config:
+    cfg = _build(Config, data or {}, "")
+    _check_ranges(cfg)
+    return cfg
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` with a YAML-parsed value (so `1e-4`, `[1,2]`, `true`, `null` work)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    # YAML reads 1e-4 as a string (no dot); numbers are what people mean.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text}: {part} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found; pass an existing YAML file, e.g. configs/demo.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from e
+    return config_from_dict(apply_overrides(data, overrides or []))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
