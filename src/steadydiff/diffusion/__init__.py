@@ -1,0 +1,25 @@
+"""The continuous VP-SDE (U-ViT / ScaleLong parameterisation) and its samplers."""
+
+from steadydiff.diffusion.samplers import (
+    SAMPLERS,
+    EpsFn,
+    sample,
+    sample_ddim,
+    sample_dpmpp2m,
+    sample_em,
+    time_grid,
+)
+from steadydiff.diffusion.vp import VPSDE, draw_normal, draw_uniform
+
+__all__ = [
+    "SAMPLERS",
+    "VPSDE",
+    "EpsFn",
+    "draw_normal",
+    "draw_uniform",
+    "sample",
+    "sample_ddim",
+    "sample_dpmpp2m",
+    "sample_em",
+    "time_grid",
+]

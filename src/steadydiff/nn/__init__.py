@@ -1,0 +1,65 @@
+"""Backbones and building blocks (pure torch.nn)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from ..config import ModelConfig
+from .mlp_unet import MLPUNet
+from .skip_scaling import (
+    SKIP_SCALING_METHODS,
+    ChannelGate,
+    ConstantScaling,
+    LearnedScaling,
+    SkipScaling,
+    cs_coefficients,
+    make_skip_scaling,
+)
+from .unet import UNet
+
+
+def _unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
+    if len(sample_shape) != 3:
+        raise ValueError(f"model.backbone=unet needs image data (C, H, W), got samples of shape {sample_shape}")
+    c, h, w = sample_shape
+    if h != w:
+        raise ValueError(f"model.backbone=unet needs square images, got {h}x{w}")
+    return UNet(
+        in_channels=c, resolution=h, channels=cfg.channels, channel_mult=cfg.channel_mult,
+        num_res_blocks=cfg.num_res_blocks, attn_resolutions=cfg.attn_resolutions, num_heads=cfg.num_heads,
+        dropout=cfg.dropout, num_classes=cfg.num_classes,
+    )
+
+
+def _mlp_unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
+    if len(sample_shape) != 1:
+        raise ValueError(f"model.backbone=mlp_unet needs vector data (D,), got samples of shape {sample_shape}")
+    return MLPUNet(dim=sample_shape[0], hidden=cfg.hidden, depth=cfg.depth, dropout=cfg.dropout,
+                   num_classes=cfg.num_classes)
+
+
+BACKBONES: dict[str, Callable[[ModelConfig, tuple[int, ...]], nn.Module]] = {
+    "unet": _unet,
+    "mlp_unet": _mlp_unet,
+}
+
+
+def build_model(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
+    """Backbone from config, with its skip-scaling object attached.
+
+    The scaling object is built after the backbone (so LS gates keep PyTorch's default init, as in the
+    official ScaleLong code where `se` is created after the model's init pass).
+    """
+    if cfg.backbone not in BACKBONES:
+        raise ValueError(f"unknown model.backbone {cfg.backbone!r}; choose one of {', '.join(BACKBONES)}")
+    model = BACKBONES[cfg.backbone](cfg, tuple(sample_shape))
+    model.skip_scaling = make_skip_scaling(cfg.skip_scaling, model.skip_channels, cfg.kappa, cfg.ls_reduction)
+    return model
+
+
+__all__ = [
+    "BACKBONES", "SKIP_SCALING_METHODS", "ChannelGate", "ConstantScaling", "LearnedScaling", "MLPUNet",
+    "SkipScaling", "UNet", "build_model", "cs_coefficients", "make_skip_scaling",
+]

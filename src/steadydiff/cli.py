@@ -1,0 +1,113 @@
+"""`steadydiff` command line: train | sample.
+
+Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
+`steadydiff: error: ...` that names the fix, and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError, config_from_dict, load_config
+
+EXIT_USER_ERROR = 2
+EXIT_NONFINITE = 3
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import Trainer
+
+    cfg = load_config(args.config, args.set)
+    trainer = Trainer(cfg, args.out, show_progress=not args.quiet)
+    if trainer.step >= cfg.train.steps:
+        print(f"{args.out}: already trained to step {trainer.step} (train.steps={cfg.train.steps}); nothing to do")
+        return 0
+    if trainer.step:
+        print(f"resuming {args.out} from step {trainer.step}")
+    trainer.fit()
+    print(f"done: {args.out} (config.yaml, metrics.jsonl, curves.png, samples/, checkpoints/)")
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from .diffusion import VPSDE
+    from .nn import build_model
+    from .train import find_weights, generate, read_checkpoint
+    from .train.loop import pick_device
+    from .utils.images import save_samples
+
+    run = Path(args.run)
+    cfg_file = run / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{run} is not a steadydiff run directory (no config.yaml); pass the --out of a train run")
+    cfg = config_from_dict(yaml.safe_load(cfg_file.read_text()))
+    ckpt = read_checkpoint(find_weights(run))
+    weights = ckpt.model if args.no_ema or ckpt.ema is None else ckpt.ema
+    shape = tuple(int(s) for s in ckpt.state["sample_shape"])
+    model = build_model(cfg.model, shape)
+    model.load_state_dict(weights)
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    x = generate(model.to(device), VPSDE.from_config(cfg.diffusion), shape, args.n, args.sampler, args.steps,
+                 args.seed, device, cfg.model.num_classes)
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'samples.png'}")
+    save_samples(x, out)
+    print(f"wrote {args.n} samples (step {ckpt.step}, {'raw' if weights is ckpt.model else 'EMA'} weights) to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="steadydiff", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (re-run the same command to resume)")
+    t.add_argument("--config", help="YAML config file (defaults apply to keys it omits)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
+    t.add_argument("--out", required=True, help="run directory (created; an existing one is resumed)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("sample", help="draw samples from a trained run into a PNG")
+    s.add_argument("run", help="run directory (or a checkpoint directory inside it)")
+    s.add_argument("--n", type=int, default=64)
+    s.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m"], default="dpmpp2m")
+    s.add_argument("--steps", type=int, default=50)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", required=True, help="PNG file to write")
+    s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    s.add_argument("--threads", type=int, default=None)
+    s.set_defaults(func=_cmd_sample)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .data import DataError
+    from .train import CheckpointError, NonFiniteLossError, RunDirError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except NonFiniteLossError as e:
+        print(f"steadydiff: error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except (ConfigError, DataError, CheckpointError, RunDirError, ValueError) as e:
+        if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
+            raise
+        print(f"steadydiff: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""A resumable, seeded, infinite stream of dataset indices, and batch assembly."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .base import ArrayDataset, DataError
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit generator seed for (seed, epoch): distinct pairs give unrelated permutations."""
+    digest = hashlib.blake2b(f"steadydiff-sampler:{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class InfiniteSampler:
+    """Seeded infinite stream of indices: epoch e uses permutation seeded by (seed, e); the stream is a pure
+    function of the global position, so resuming at any step continues mid-epoch with the same order.
+
+    Position p lies in epoch p // n at offset p % n; with `shuffle=False` the stream is 0, 1, ..., n-1, 0, ...
+    The last two epochs' permutations are cached, so reading the stream in order costs one `randperm` per
+    epoch.
+    """
+
+    _CACHE = 2
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        if n < 1:
+            raise DataError(f"cannot sample from an empty dataset (n={n}); check the data config")
+        self.n = int(n)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The order of epoch `epoch` (int64, a permutation of 0..n-1)."""
+        if not self.shuffle:
+            return torch.arange(self.n, dtype=torch.int64)
+        perm = self._perms.get(epoch)
+        if perm is None:
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            perm = torch.randperm(self.n, generator=g, dtype=torch.int64)
+            if len(self._perms) >= self._CACHE:
+                self._perms.pop(next(iter(self._perms)))  # drop the oldest
+            self._perms[epoch] = perm
+        return perm
+
+    def indices(self, start: int, count: int) -> torch.Tensor:
+        """The stream at global positions [start, start + count), int64 (count,)."""
+        if start < 0 or count < 0:
+            raise ValueError(f"start and count must be >= 0, got start={start}, count={count}")
+        out = torch.empty(count, dtype=torch.int64)
+        filled, pos = 0, int(start)
+        while filled < count:
+            epoch, offset = divmod(pos, self.n)
+            take = min(self.n - offset, count - filled)
+            out[filled : filled + take] = self.permutation(epoch)[offset : offset + take]
+            filled += take
+            pos += take
+        return out
+
+
+def get_batch(
+    ds: ArrayDataset, indices: torch.Tensor, hflip: bool, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x, labels) for `indices`; with `hflip`, each image is mirrored left-right with probability 0.5, the
+    coin flips drawn from `generator` (one per image, in batch order)."""
+    idx = indices.to(device=ds.data.device, dtype=torch.int64)
+    x = ds.data.index_select(0, idx)
+    labels = None if ds.labels is None else ds.labels.index_select(0, idx.to(ds.labels.device))
+    if hflip:
+        if x.dim() != 4:
+            raise DataError(
+                f"data.hflip applies to images only, but {ds.name} has samples of shape {ds.sample_shape}; "
+                "set data.hflip=false"
+            )
+        device = generator.device if generator is not None else torch.device("cpu")
+        flip = torch.rand(x.shape[0], generator=generator, device=device) < 0.5
+        x = torch.where(flip.to(x.device)[:, None, None, None], x.flip(-1), x)
+    return x, labels

@@ -1,0 +1,203 @@
+"""The continuous variance-preserving SDE (Song et al. 2021, "Score-Based Generative Modeling through SDEs").
+
+Forward SDE (Song et al. 2021, eq. 11), on t in [0, 1]:
+
+    dx = -1/2 beta(t) x dt + sqrt(beta(t)) dw,        beta(t) = beta_min + t (beta_max - beta_min).
+
+Its perturbation kernel is Gaussian, q(x_t | x_0) = N(alpha(t) x_0, sigma(t)^2 I), with (Song et al. 2021,
+eq. 29)
+
+    log alpha(t) = -1/2 int_0^t beta(s) ds = -t^2 (beta_max - beta_min) / 4 - t beta_min / 2,
+    sigma(t)^2   = 1 - alpha(t)^2 = -expm1(2 log alpha(t))      (expm1: no cancellation at small t),
+    lambda(t)    = log(alpha / sigma)                            (half log-SNR; Lu et al. 2022, DPM-Solver).
+
+This is the parameterisation U-ViT and ScaleLong train with: t ~ U(t_eps, 1), the network predicts the noise
+eps and sees the time as 999 t.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from steadydiff.config import DiffusionConfig
+
+__all__ = ["VPSDE", "draw_normal", "draw_uniform"]
+
+Model = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random draws that respect an explicit generator on any device
+
+
+def _gen_device(generator: torch.Generator | None, device: torch.device | str | None) -> torch.device:
+    if generator is not None:
+        return generator.device
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def draw_normal(
+    shape: tuple[int, ...] | torch.Size,
+    generator: torch.Generator | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """N(0, I) drawn on the generator's device (a CPU generator cannot feed a CUDA draw), then moved."""
+    out = torch.randn(tuple(shape), generator=generator, device=_gen_device(generator, device), dtype=dtype)
+    return out.to(device) if device is not None else out
+
+
+def draw_uniform(
+    shape: tuple[int, ...] | torch.Size,
+    generator: torch.Generator | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """U[0, 1) drawn on the generator's device, then moved to `device`."""
+    out = torch.rand(tuple(shape), generator=generator, device=_gen_device(generator, device), dtype=dtype)
+    return out.to(device) if device is not None else out
+
+
+def _wide(t: Tensor) -> tuple[Tensor, torch.dtype]:
+    """`t` in float64 (float32 if the device lacks float64) for time arithmetic, and the dtype to return."""
+    t = torch.as_tensor(t)
+    out_dtype = t.dtype if t.is_floating_point() else torch.get_default_dtype()
+    work = torch.float32 if t.device.type == "mps" else torch.float64
+    return t.to(work), out_dtype
+
+
+def _per_sample(v: Tensor, like: Tensor) -> Tensor:
+    """A (B,) (or scalar) coefficient viewed as (B, 1, ..., 1) to broadcast against `like`, shape (B, ...)."""
+    v = v.to(dtype=like.dtype, device=like.device)
+    if v.dim() == 0:
+        return v
+    return v.reshape(v.shape[0], *([1] * (like.dim() - 1)))
+
+
+class VPSDE:
+    """The VP-SDE with linear beta(t). Time-arithmetic is done in float64 and returned in the input dtype."""
+
+    T: float = 1.0
+    time_scale: float = 999.0  # the network sees 999 t (U-ViT convention)
+
+    def __init__(self, beta_min: float = 0.1, beta_max: float = 20.0, t_eps: float = 1e-5):
+        if beta_min < 0 or beta_max < beta_min:
+            raise ValueError(
+                f"VPSDE needs 0 <= beta_min <= beta_max, got beta_min={beta_min}, beta_max={beta_max}"
+            )
+        if beta_max <= 0:
+            raise ValueError(f"VPSDE needs beta_max > 0, got {beta_max}")
+        if not 0 < t_eps < 1:
+            raise ValueError(f"VPSDE needs t_eps in (0, 1), got {t_eps}")
+        self.beta_min = float(beta_min)
+        self.beta_max = float(beta_max)
+        self.t_eps = float(t_eps)
+
+    @classmethod
+    def from_config(cls, cfg: DiffusionConfig) -> VPSDE:
+        if cfg.kind != "vp":
+            raise ValueError(f"diffusion.kind: {cfg.kind!r} is not supported; choose vp")
+        return cls(beta_min=cfg.beta_min, beta_max=cfg.beta_max, t_eps=cfg.t_eps)
+
+    def __repr__(self) -> str:
+        return f"VPSDE(beta_min={self.beta_min}, beta_max={self.beta_max}, t_eps={self.t_eps})"
+
+    # --- schedule -----------------------------------------------------------------------------------------
+
+    def beta(self, t: Tensor) -> Tensor:
+        """beta(t) = beta_min + t (beta_max - beta_min)."""
+        tw, dt = _wide(t)
+        return (self.beta_min + tw * (self.beta_max - self.beta_min)).to(dt)
+
+    def _log_alpha(self, tw: Tensor) -> Tensor:
+        # log alpha(t) = -1/2 int_0^t beta = -t^2 (beta_max - beta_min)/4 - t beta_min/2  (Song et al. 2021)
+        return -0.25 * tw * tw * (self.beta_max - self.beta_min) - 0.5 * tw * self.beta_min
+
+    def alpha_sigma(self, t: Tensor) -> tuple[Tensor, Tensor]:
+        """(alpha(t), sigma(t)) with sigma = sqrt(1 - alpha^2) = sqrt(-expm1(2 log alpha))."""
+        tw, dt = _wide(t)
+        log_a = self._log_alpha(tw)
+        sigma = torch.sqrt(-torch.expm1(2.0 * log_a))
+        return torch.exp(log_a).to(dt), sigma.to(dt)
+
+    def log_snr(self, t: Tensor) -> Tensor:
+        """lambda(t) = log(alpha / sigma) = log alpha - 1/2 log(-expm1(2 log alpha)); decreasing in t."""
+        tw, dt = _wide(t)
+        log_a = self._log_alpha(tw)
+        return (log_a - 0.5 * torch.log(-torch.expm1(2.0 * log_a))).to(dt)
+
+    def t_from_log_snr(self, lam: Tensor) -> Tensor:
+        """Inverse of `log_snr`, closed form.
+
+        alpha^2 = e^{2 lambda} / (1 + e^{2 lambda}), so c := -2 log alpha = log(1 + e^{-2 lambda}) (a
+        softplus, evaluated stably). Then (beta_max - beta_min)/2 t^2 + beta_min t - c = 0, whose positive
+        root is written t = 2c / (beta_min + sqrt(beta_min^2 + 2 (beta_max - beta_min) c)): no cancellation
+        at small c, and valid for constant beta.
+        """
+        lw, dt = _wide(lam)
+        x = -2.0 * lw
+        c = torch.clamp(x, min=0.0) + torch.log1p(torch.exp(-torch.abs(x)))
+        d = self.beta_max - self.beta_min
+        t = 2.0 * c / (self.beta_min + torch.sqrt(self.beta_min**2 + 2.0 * d * c))
+        return t.to(dt)
+
+    # --- training -----------------------------------------------------------------------------------------
+
+    def perturb(self, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+        """x_t = alpha(t) x0 + sigma(t) noise, t of shape (B,) broadcast over the non-batch dims of x0."""
+        alpha, sigma = self.alpha_sigma(t)
+        return _per_sample(alpha, x0) * x0 + _per_sample(sigma, x0) * noise
+
+    def sample_t(
+        self, batch: int, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> Tensor:
+        """t ~ U(t_eps, 1), shape (batch,), float32."""
+        u = draw_uniform((batch,), generator, device)
+        return self.t_eps + (self.T - self.t_eps) * u
+
+    def model_time(self, t: Tensor) -> Tensor:
+        """The time the network sees: 999 t."""
+        return self.time_scale * t
+
+    def eps(self, model: Model, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
+        """The network's noise prediction eps_hat(x, t) = model(x, 999 t, labels)."""
+        return model(x, self.model_time(t), labels)
+
+    def loss(
+        self,
+        model: Model,
+        x0: Tensor,
+        labels: Tensor | None = None,
+        *,
+        t: Tensor | None = None,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Per-sample denoising score-matching loss in eps form, shape (B,).
+
+        mean over the non-batch dims of (eps_hat(alpha x0 + sigma noise, t) - noise)^2 (Ho et al. 2020,
+        eq. 14; Song et al. 2021, eq. 7 with the sigma^2 weighting). Missing t and noise are drawn from
+        `generator`, t first, then noise, both placed on x0.device.
+        """
+        if t is None:
+            t = self.sample_t(x0.shape[0], generator, x0.device)
+            if x0.dtype == torch.float64:
+                t = t.to(torch.float64)
+        if noise is None:
+            noise = draw_normal(x0.shape, generator, x0.device, dtype=x0.dtype)
+        xt = self.perturb(x0, t, noise)
+        eps_hat = self.eps(model, xt, t, labels)
+        err = (eps_hat - noise).to(torch.promote_types(eps_hat.dtype, torch.float32))
+        return err.square().reshape(x0.shape[0], -1).mean(dim=1)
+
+    def prior(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """x_T ~ N(0, I) (alpha(1) ~ 7e-3 for the default schedule, so this is the marginal to ~1e-4)."""
+        return draw_normal(shape, generator, device)

@@ -1,0 +1,52 @@
+"""Small building blocks shared by the backbones."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal embedding of (continuous) times t, shape (B,) -> (B, dim) (Vaswani et al. 2017 / DDPM).
+
+    Frequencies max_period^(-k / half) for k = 0..half-1; [cos | sin] halves, zero-padded for odd dim.
+    """
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+    return emb
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm with up to 32 groups of at least 4 channels (32 groups as in DDPM/ADM for wide layers)."""
+    return nn.GroupNorm(math.gcd(32, max(1, channels // 4)), channels)
+
+
+def zero_module(module: nn.Module) -> nn.Module:
+    """Zero-initialise a layer so that a residual branch starts as the identity (ADM convention)."""
+    for p in module.parameters():
+        nn.init.zeros_(p)
+    return module
+
+
+class TimeEmbedding(nn.Module):
+    """Sinusoidal features of the model time -> MLP (Linear, SiLU, Linear), plus an optional label embedding."""
+
+    def __init__(self, freq_dim: int, dim: int, num_classes: int = 0):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.label = nn.Embedding(num_classes, dim) if num_classes > 0 else None
+
+    def forward(self, t: Tensor, labels: Tensor | None = None) -> Tensor:
+        emb = self.mlp(timestep_embedding(t, self.freq_dim))
+        if self.label is not None:
+            if labels is None:
+                raise ValueError("this model is class-conditional: pass labels (model.num_classes > 0)")
+            emb = emb + self.label(labels)
+        return emb

@@ -1,0 +1,143 @@
+"""ScaleLong: scaling of the long skip connections (LSCs) of a UNet (Huang et al., NeurIPS 2023).
+
+A backbone with N long skips calls its scaling object as `scaling(i, skip)` right before it fuses the skip
+into the decoder (concatenation or addition). The scale multiplies the *skip only*, never the main path,
+exactly as in the official code (`blk(x, skip * coeff)`).
+
+Indexing: `i = 0` is the OUTERMOST skip (first encoder output -> last decoder input), `i = N - 1` the
+innermost. This is the paper's LSC index minus one: paper Fig. 1 numbers LSCs i = 1..N from the outside
+in and CS gives LSC i the coefficient kappa^(i-1). The official U-ViT code pops skips in reverse
+(first out-block gets the innermost skip, `kappa ** (outdepth - 1 - layer_cnt)`), which is the same
+assignment: outermost 1, innermost kappa^(N-1).
+
+Methods (README names of the official `--config.nnet.scalelong` values 0..4):
+  org        kappa_i = 1                         (0, "orgin")
+  inv_sqrt2  kappa_i = 2^-1/2                    (1, "1/sqrt(2)-CS")
+  cs         kappa_i = kappa^(i-1)               (2, "CS"); bounds sum_i kappa_i^2 <= 1/(1-kappa^2)
+  ls         kappa_i = zeta(skip_i), one gate    (3, "LS")
+  ls_ns      kappa_i = zeta_i(skip_i), per skip  (4, "LS non-share")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class SkipScaling(nn.Module):
+    """Base class: `forward(i, skip)` returns the scaled skip; `coefficients()` reports kappa_i."""
+
+    def __init__(self, num_skips: int):
+        super().__init__()
+        if num_skips < 1:
+            raise ValueError(f"num_skips must be >= 1, got {num_skips}")
+        self.num_skips = num_skips
+
+    def forward(self, i: int, skip: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def coefficients(self) -> list[float]:
+        """Current effective coefficient per skip, outermost first (for logging)."""
+        raise NotImplementedError
+
+
+class ConstantScaling(SkipScaling):
+    """Fixed coefficients kappa_i (org, inv_sqrt2, cs)."""
+
+    def __init__(self, coeffs: Sequence[float]):
+        super().__init__(len(coeffs))
+        # Python floats, not buffers: they carry no gradient and no state-dict entry (as in the official code).
+        self.coeffs = [float(c) for c in coeffs]
+
+    def forward(self, i: int, skip: Tensor) -> Tensor:
+        c = self.coeffs[i]
+        # Org must be bit-identical to an unscaled backbone, so skip the multiply when c == 1.
+        return skip if c == 1.0 else skip * c
+
+    def coefficients(self) -> list[float]:
+        return list(self.coeffs)
+
+    def extra_repr(self) -> str:
+        return "coeffs=[" + ", ".join(f"{c:.4g}" for c in self.coeffs) + "]"
+
+
+def cs_coefficients(num_skips: int, kappa: float) -> list[float]:
+    """CS (ScaleLong Sec. 4): LSC i = 1..N (outermost first) gets kappa^(i-1)."""
+    return [kappa**i for i in range(num_skips)]
+
+
+class ChannelGate(nn.Module):
+    """LS calibration gate for a feature map (B, C, *spatial) or vector (B, C).
+
+    Squeeze-and-excitation over channels: mean over the spatial dims, Linear(C, C/r), ReLU, Linear(C/r, C),
+    sigmoid. PyTorch's default Linear init (uniform +-1/sqrt(fan_in)) is kept on purpose, as in the official
+    code where the gate is built after the model's own init pass: the gate then starts near 0.5 on every
+    skip. Returns a gate of shape (B, C, 1, ..., 1).
+    """
+
+    def __init__(self, channels: int, reduction: int = 16):
+        super().__init__()
+        hidden = max(1, channels // reduction)
+        self.fc1 = nn.Linear(channels, hidden)
+        self.fc2 = nn.Linear(hidden, channels)
+
+    def forward(self, skip: Tensor) -> Tensor:
+        pooled = skip.mean(dim=tuple(range(2, skip.ndim))) if skip.ndim > 2 else skip
+        gate = torch.sigmoid(self.fc2(torch.relu(self.fc1(pooled.float())))).to(skip.dtype)
+        return gate.view(*gate.shape, *([1] * (skip.ndim - 2)))
+
+
+class LearnedScaling(SkipScaling):
+    """LS: kappa_i = zeta(skip_i) with a tiny learned gate per skip (ls_ns) or shared (ls).
+
+    `gate_keys[i]` names the gate that skip i uses; skips with equal keys share one gate. For `ls` on a
+    conv UNet, skips differ in channel count, so one gate is shared per *channel count* (a single gate
+    cannot read tensors of different widths); on backbones whose skips all have one shape (U-ViT, the
+    MLP-UNet) this is exactly one shared gate as in the paper.
+    """
+
+    def __init__(self, gate_keys: Sequence[str], gates: dict[str, nn.Module]):
+        super().__init__(len(gate_keys))
+        self.gate_keys = list(gate_keys)
+        self.gates = nn.ModuleDict(gates)
+        self._last_mean: list[Tensor | None] = [None] * self.num_skips
+
+    def forward(self, i: int, skip: Tensor) -> Tensor:
+        gate = self.gates[self.gate_keys[i]](skip)
+        self._last_mean[i] = gate.detach().mean()
+        return skip * gate
+
+    def coefficients(self) -> list[float]:
+        """Mean gate per skip on the last batch seen (nan before the first forward)."""
+        return [float("nan") if m is None else float(m) for m in self._last_mean]
+
+
+def make_skip_scaling(
+    method: str,
+    channels: Sequence[int],
+    kappa: float = 0.5,
+    reduction: int = 16,
+) -> SkipScaling:
+    """Build a scaling object for skips with the given channel counts (outermost first).
+
+    `channels[i]` is the channel (feature) dimension of skip i, which the LS gates need.
+    """
+    n = len(channels)
+    if method == "org":
+        return ConstantScaling([1.0] * n)
+    if method == "inv_sqrt2":
+        return ConstantScaling([2**-0.5] * n)  # as the official code writes it
+    if method == "cs":
+        return ConstantScaling(cs_coefficients(n, kappa))
+    if method == "ls":
+        gates = {f"c{c}": ChannelGate(c, reduction) for c in dict.fromkeys(channels)}
+        return LearnedScaling([f"c{c}" for c in channels], gates)
+    if method == "ls_ns":
+        keys = [str(i) for i in range(n)]
+        return LearnedScaling(keys, {k: ChannelGate(c, reduction) for k, c in zip(keys, channels)})
+    raise ValueError(f"unknown skip scaling {method!r}; choose one of {', '.join(SKIP_SCALING_METHODS)}")
+
+
+SKIP_SCALING_METHODS = ("org", "inv_sqrt2", "cs", "ls", "ls_ns")

@@ -1,0 +1,318 @@
+"""The training loop.
+
+The loop knows no method by name: the backbone carries its skip-scaling object, the formulation (VP-SDE)
+computes the loss, the LR schedule is an object, and the EMA is an object. Swapping any of them is a
+config change, not an edit here.
+
+Reproducibility: every random draw of step k (data order, flips, t, noise, dropout) comes from generators
+seeded by (seed, k) and from the data sampler's global position k * batch. The trajectory is therefore a
+pure function of (config, weights, optimiser state, k), and resuming from a checkpoint at step k gives
+exactly the losses of a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from ..config import Config, ConfigError, config_from_dict, dump_config
+from ..data import InfiniteSampler, get_batch, load_dataset
+from ..diffusion import VPSDE, sample
+from ..nn import build_model
+from ..utils.images import save_samples
+from ..utils.io import atomic_write, atomic_write_text
+from .checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint
+from .ema import EMA
+from .schedules import WarmupConstant
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/Inf; the run stopped and the last good checkpoint is kept."""
+
+
+class RunDirError(RuntimeError):
+    """The run directory holds a different run; the message names the fix."""
+
+
+# Config keys that may change between a run and its resumption (they do not alter the trajectory).
+RESUMABLE_CHANGES = {
+    "train.steps", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.sample_every",
+    "train.sample_n", "train.sample_sampler", "train.sample_steps", "train.threads", "train.device",
+    "train.fault_nan_at_step",
+}
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(a: Config, b: Config) -> list[str]:
+    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in fa if fa.get(k) != fb.get(k) and k not in RESUMABLE_CHANGES]
+
+
+def step_generator(seed: int, step: int, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """An independent generator for (seed, step, stream): draws never depend on what came before."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step) * 16 + stream)
+    return g
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    return torch.device(name)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+
+
+class Trainer:
+    """Train `cfg` into `run_dir`, resuming from its latest checkpoint when there is one."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, show_progress: bool = True):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.show_progress = show_progress
+        self._check_run_dir()
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.device = pick_device(t.device)
+
+        self.dataset = load_dataset(cfg.data)
+        self.sampler = InfiniteSampler(len(self.dataset), seed=t.seed)
+        if cfg.model.num_classes and cfg.model.num_classes != self.dataset.num_classes:
+            raise ConfigError(
+                f"model.num_classes={cfg.model.num_classes} but the dataset has {self.dataset.num_classes} "
+                f"classes; set model.num_classes={self.dataset.num_classes} or 0 (unconditional)"
+            )
+        torch.manual_seed(t.seed)
+        self.model = build_model(cfg.model, self.dataset.sample_shape).to(self.device)
+        self.sde = VPSDE.from_config(cfg.diffusion)
+        self.lr_schedule = WarmupConstant(t.warmup_steps)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+        )
+        self.ema = EMA(self.model, t.ema_decay, t.ema_warmup)
+        self.step = 0
+        self._resume()
+
+    # ---------------------------------------------------------------------------------------------
+    # run directory and resume
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def _check_run_dir(self) -> None:
+        cfg_file = self.run_dir / "config.yaml"
+        if not cfg_file.exists():
+            return
+        try:
+            old = config_from_dict(yaml.safe_load(cfg_file.read_text()))
+        except (ConfigError, yaml.YAMLError) as e:
+            raise RunDirError(f"{cfg_file} is not a steadydiff config ({e}); use a new --out directory") from e
+        diffs = config_differences(old, self.cfg)
+        if diffs:
+            raise RunDirError(
+                f"{self.run_dir} holds a run with a different config ({'; '.join(diffs[:3])}); "
+                "use a new --out directory, or the same config to resume"
+            )
+
+    def _resume(self) -> None:
+        ckpt_path = latest_checkpoint(self.ckpt_dir)
+        if ckpt_path is None:
+            return
+        ckpt = read_checkpoint(ckpt_path)
+        self.model.load_state_dict(ckpt.model)
+        if ckpt.ema is not None:
+            self.ema.model.load_state_dict(ckpt.ema)
+        self.optimizer.load_state_dict(ckpt.state["optimizer"])
+        self.step = ckpt.step
+
+    def _truncate_metrics(self) -> None:
+        """Drop log lines written after the checkpoint we resume from (they will be written again)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= self.step]
+        if len(keep) != len(lines):
+            atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+    # ---------------------------------------------------------------------------------------------
+    # one optimiser step
+
+    def _autocast(self):
+        if not self.cfg.train.bf16:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def train_step(self) -> StepResult:
+        t, k = self.cfg.train, self.step
+        self.model.train()
+        lr = t.lr * self.lr_schedule(k)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(t.seed * 1_000_003 + k)  # dropout and any other global-RNG draw
+        gen = step_generator(t.seed, k, stream=0, device=self.device)
+        flip_gen = step_generator(t.seed, k, stream=1)
+        idx = self.sampler.indices(k * t.batch_size, t.batch_size)
+        x, labels = get_batch(self.dataset, idx, self.cfg.data.hflip, flip_gen)
+        x = x.to(self.device, non_blocking=True)
+        labels = labels.to(self.device) if (labels is not None and self.cfg.model.num_classes) else None
+
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        micro = t.batch_size // t.grad_accum
+        for m in range(t.grad_accum):
+            sl = slice(m * micro, (m + 1) * micro)
+            with self._autocast():
+                loss = self.sde.loss(self.model, x[sl], None if labels is None else labels[sl], generator=gen)
+                loss = loss.float().mean()
+            if t.fault_nan_at_step is not None and k == t.fault_nan_at_step:
+                loss = loss * float("nan")
+            (loss / t.grad_accum).backward()
+            total += loss.detach() / t.grad_accum
+        loss_value = float(total)
+        if not math.isfinite(loss_value):
+            raise NonFiniteLossError(
+                f"loss is {loss_value} at step {k}; stopped without saving (last good checkpoint kept in "
+                f"{self.ckpt_dir}); lower train.lr, set train.grad_clip, or disable train.bf16"
+            )
+        max_norm = t.grad_clip if t.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.optimizer.step()
+        self.ema.update(self.model, k)
+        self.step = k + 1
+        return StepResult(loss_value, grad_norm)
+
+    # ---------------------------------------------------------------------------------------------
+    # outputs
+
+    def save(self) -> Path:
+        state = {"optimizer": self.optimizer.state_dict(), "config": dump_config(self.cfg),
+                 "data_position": self.step * self.cfg.train.batch_size,
+                 "sample_shape": list(self.dataset.sample_shape)}
+        return save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(), self.ema.model.state_dict(),
+                               state, keep=self.cfg.train.keep_ckpts)
+
+    @torch.no_grad()
+    def sample(self, n: int, sampler: str, steps: int, seed: int, use_ema: bool = True) -> torch.Tensor:
+        return generate(self.ema.model if use_ema else self.model, self.sde, self.dataset.sample_shape, n,
+                        sampler, steps, seed, self.device, self.dataset.num_classes if self.cfg.model.num_classes else 0)
+
+    def _write_samples(self) -> None:
+        t = self.cfg.train
+        x = self.sample(t.sample_n, t.sample_sampler, t.sample_steps, seed=t.seed)
+        ref = self.dataset.data if x.ndim == 2 else None
+        save_samples(x, self.run_dir / "samples" / f"step-{self.step:07d}.png", reference=ref)
+
+    def fit(self) -> dict[str, Any]:
+        t = self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
+        self._truncate_metrics()
+        log_path = self.run_dir / "metrics.jsonl"
+        window: list[StepResult] = []
+        t0, n_img = time.perf_counter(), 0
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", disable=not self.show_progress,
+                   dynamic_ncols=True)
+        with open(log_path, "a") as log:
+            while self.step < t.steps:
+                res = self.train_step()
+                window.append(res)
+                n_img += t.batch_size
+                bar.update(1)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    dt = time.perf_counter() - t0
+                    rec = {
+                        "step": self.step,
+                        "loss": sum(r.loss for r in window) / len(window),
+                        "grad_norm": sum(r.grad_norm for r in window) / len(window),
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        "images_per_sec": n_img / dt if dt > 0 else float("nan"),
+                        "skip_coeffs": [round(c, 6) for c in self.model.skip_scaling.coefficients()],
+                    }
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}")
+                    window.clear()
+                    t0, n_img = time.perf_counter(), 0
+                if self.step % t.ckpt_every == 0 or self.step == t.steps:
+                    self.save()
+                    plot_curves(log_path, self.run_dir / "curves.png")
+                if t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
+                    self._write_samples()
+        bar.close()
+        if latest_checkpoint(self.ckpt_dir) is None or self.step % t.ckpt_every:
+            self.save()
+        self._write_samples()
+        plot_curves(log_path, self.run_dir / "curves.png")
+        return {"step": self.step, "run_dir": str(self.run_dir)}
+
+
+@torch.no_grad()
+def generate(model, sde, sample_shape, n: int, sampler: str, steps: int, seed: int,
+             device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256) -> torch.Tensor:
+    """Draw `n` samples with one of the samplers; labels cycle 0..num_classes-1 for conditional models."""
+    model.eval()
+    out = []
+    g = torch.Generator(device=device).manual_seed(seed)
+    for start in range(0, n, batch):
+        b = min(batch, n - start)
+        x_T = torch.randn((b, *sample_shape), generator=g, device=device)
+        labels = (torch.arange(start, start + b, device=device) % num_classes) if num_classes else None
+
+        def eps_fn(x, t, labels=labels):
+            return sde.eps(model, x, t, labels)
+
+        out.append(sample(sampler, eps_fn, sde, x_T, steps, generator=g).float().cpu())
+    return torch.cat(out)
+
+
+def plot_curves(metrics_path: Path, out_path: Path) -> None:
+    """Loss, gradient norm and learning rate against step, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(ln) for ln in Path(metrics_path).read_text().splitlines() if ln.strip()]
+    rows = [r for r in rows if "loss" in r]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), dpi=100)
+    for ax, key, log in zip(axes, ("loss", "grad_norm", "lr"), (True, True, False)):
+        ax.plot(steps, [r[key] for r in rows], lw=1)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    atomic_write(out_path, lambda p: fig.savefig(p, format="png"))
+    plt.close(fig)
