@@ -372,3 +372,25 @@ def test_convergence_orders(sde):
     assert all(3.2 < r < 4.8 for r in r_dpm), r_dpm
     assert 3.7 < r_dpm[1] < 4.3, r_dpm
     assert e_dpm[1] < e_ddim[2] / 5  # 40 second-order steps beat 80 first-order ones by far
+
+
+def test_clip_denoised_keeps_x0_in_range_and_is_identity_inside():
+    from steadydiff.diffusion import clip_denoised
+
+    sde = VPSDE()
+    x = torch.randn(6, 1, 3, 3, dtype=torch.float64)
+    t = torch.tensor([1.0, 0.9, 0.5, 0.2, 0.05, 1e-3], dtype=torch.float64)
+    a, s = (v.view(-1, 1, 1, 1) for v in sde.alpha_sigma(t))
+
+    def wild(x_, t_):  # implies x0 far outside [-1, 1]
+        return (x_ - a * 5.0) / s
+
+    eps = clip_denoised(wild, sde, 1.0)(x, t)
+    torch.testing.assert_close((x - s * eps) / a, torch.ones_like(x))
+
+    x0_in = torch.rand_like(x) * 1.8 - 0.9
+
+    def tame(x_, t_):  # implies x0 = x0_in, already inside the bound
+        return (x_ - a * x0_in) / s
+
+    torch.testing.assert_close(clip_denoised(tame, sde, 1.0)(x, t), tame(x, t))

@@ -58,7 +58,7 @@ def test_cs_applied_to_the_right_skip_in_the_backbone(backbone):
         model = build_model(ModelConfig(skip_scaling="cs", kappa=0.7, **SMALL_UNET), (1, 8, 8))
         x = torch.randn(2, 1, 8, 8)
     else:
-        model = build_model(ModelConfig(backbone="mlp_unet", skip_scaling="cs", kappa=0.7, hidden=16, depth=4), (2,))
+        model = build_model(ModelConfig(backbone="mlp_unet", skip_scaling="cs", kappa=0.7, hidden=16, depth=8), (2,))
         x = torch.randn(2, 2)
     seen = _record_skip_inputs(model)
     model(x, torch.tensor([10.0, 500.0]))
@@ -131,17 +131,17 @@ def test_ls_gates_shape_range_and_init(method):
 
 
 def test_ls_shares_parameters_and_ls_ns_does_not():
-    hidden, depth = 32, 4
-    ls = MLPUNet(hidden=hidden, depth=depth)
+    hidden, n = 32, 4
+    ls = MLPUNet(hidden=hidden, depth=2 * n)
     ls.skip_scaling = make_skip_scaling("ls", ls.skip_channels)
-    ls_ns = MLPUNet(hidden=hidden, depth=depth)
+    ls_ns = MLPUNet(hidden=hidden, depth=2 * n)
     ls_ns.skip_scaling = make_skip_scaling("ls_ns", ls_ns.skip_channels)
     gate_params = hidden * (hidden // 16) + hidden // 16 + (hidden // 16) * hidden + hidden
     assert sum(p.numel() for p in ls.skip_scaling.parameters()) == gate_params
-    assert sum(p.numel() for p in ls_ns.skip_scaling.parameters()) == depth * gate_params
+    assert sum(p.numel() for p in ls_ns.skip_scaling.parameters()) == n * gate_params
     assert len({id(ls.skip_scaling.gates[k]) for k in ls.skip_scaling.gate_keys}) == 1
-    assert len({id(ls_ns.skip_scaling.gates[k]) for k in ls_ns.skip_scaling.gate_keys}) == depth
-    # Every skip's gradient reaches the one shared gate: its output bias collects all depth contributions.
+    assert len({id(ls_ns.skip_scaling.gates[k]) for k in ls_ns.skip_scaling.gate_keys}) == n
+    # Every skip's gradient reaches the one shared gate: its output bias collects all n contributions.
     x, t = torch.randn(5, 2), torch.rand(5) * 999
     with torch.no_grad():
         ls.out.weight.normal_()

@@ -57,7 +57,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     x = generate(model.to(device), VPSDE.from_config(cfg.diffusion), shape, args.n, args.sampler, args.steps,
-                 args.seed, device, cfg.model.num_classes)
+                 args.seed, device, cfg.model.num_classes, clip=not args.no_clip)
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'samples.png'}")
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG file to write")
     s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
+    s.add_argument("--no-clip", action="store_true", help="do not keep image estimates in [-1, 1] while sampling")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--threads", type=int, default=None)
     s.set_defaults(func=_cmd_sample)

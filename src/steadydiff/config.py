@@ -35,7 +35,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    backbone: Literal["unet", "mlp_unet"] = "unet"
+    backbone: Literal["unet", "uvit", "mlp_unet"] = "unet"
     skip_scaling: Literal["org", "inv_sqrt2", "cs", "ls", "ls_ns"] = "org"
     kappa: float = 0.5  # CS: LSC i (1 = outermost) is scaled by kappa**(i-1)
     ls_reduction: int = 16  # LS gate bottleneck ratio r
@@ -47,7 +47,14 @@ class ModelConfig:
     dropout: float = 0.0
     num_classes: int = 0  # > 0: class-conditional (label embedding added to the time embedding)
     hidden: int = 128  # mlp_unet: width
-    depth: int = 3  # mlp_unet: encoder blocks (= number of long skips)
+    depth: int = 12  # uvit, mlp_unet: encoder + decoder blocks; depth // 2 long skips (U-ViT's convention)
+    embed_dim: int = 512  # uvit: token width D
+    patch_size: int = 2  # uvit
+    mlp_ratio: float = 4.0  # uvit
+    qkv_bias: bool = False  # uvit
+    mlp_time_embed: bool = False  # uvit: MLP on the sinusoidal time token
+    final_conv: bool = True  # uvit: 3x3 conv after unpatchify
+    grad_checkpointing: bool = False  # uvit: recompute blocks in backward to save memory
 
 
 @dataclass
@@ -80,6 +87,7 @@ class TrainConfig:
     sample_n: int = 64
     sample_sampler: Literal["em", "ddim", "dpmpp2m"] = "dpmpp2m"
     sample_steps: int = 30
+    sample_clip: bool = True  # images: keep the denoised estimate in [-1, 1] while sampling
     threads: int | None = None  # torch intra-op threads; null keeps torch's default
     fault_nan_at_step: int | None = None  # testing: make the loss NaN at this step
 
@@ -186,7 +194,8 @@ def _check_ranges(cfg: Config) -> None:
         "train.steps": t.steps, "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
         "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.keep_ckpts": t.keep_ckpts,
         "train.sample_n": t.sample_n, "train.sample_steps": t.sample_steps, "data.resolution": d.resolution,
-        "model.channels": m.channels, "model.hidden": m.hidden, "model.depth": m.depth,
+        "model.channels": m.channels, "model.hidden": m.hidden, "model.embed_dim": m.embed_dim,
+        "model.patch_size": m.patch_size,
         "model.ls_reduction": m.ls_reduction, "model.num_heads": m.num_heads,
     }
     for key, v in positive.items():
@@ -204,6 +213,8 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(
             f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})"
         )
+    if m.depth < 2:
+        raise ConfigError(f"model.depth: must be >= 2 (depth // 2 long skips), got {m.depth}")
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {m.dropout}")
     if not m.channel_mult:

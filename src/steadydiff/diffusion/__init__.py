@@ -3,6 +3,7 @@
 from steadydiff.diffusion.samplers import (
     SAMPLERS,
     EpsFn,
+    clip_denoised,
     sample,
     sample_ddim,
     sample_dpmpp2m,
@@ -15,6 +16,7 @@ __all__ = [
     "SAMPLERS",
     "VPSDE",
     "EpsFn",
+    "clip_denoised",
     "draw_normal",
     "draw_uniform",
     "sample",

@@ -169,3 +169,23 @@ def sample(
     if name == "em":
         return sample_em(eps_fn, sde, x_T, steps, generator=generator)
     return SAMPLERS[name](eps_fn, sde, x_T, steps)
+
+
+def clip_denoised(eps_fn: EpsFn, sde: VPSDE, bound: float = 1.0) -> EpsFn:
+    """Wrap `eps_fn` so that the implied clean estimate x0_hat = (x - sigma eps) / alpha stays in
+    [-bound, bound] (static thresholding, as DDPM/ADM do for images in [-1, 1]).
+
+    Near t = 1, alpha(1) ~ 6.6e-3, so x0_hat amplifies any eps error ~150x; an early or imperfect model
+    then sends deterministic (ODE) trajectories far off the data range, where they never recover. The
+    wrapper returns the eps consistent with the clipped x0_hat: eps' = (x - alpha x0_clipped) / sigma.
+    """
+
+    def wrapped(x: Tensor, t: Tensor) -> Tensor:
+        eps = eps_fn(x, t)
+        a, s = sde.alpha_sigma(t.double())
+        shape = (-1,) + (1,) * (x.ndim - 1)
+        a, s = a.to(x.dtype).view(shape), s.to(x.dtype).view(shape)
+        x0 = ((x - s * eps) / a).clamp(-bound, bound)
+        return (x - a * x0) / s
+
+    return wrapped

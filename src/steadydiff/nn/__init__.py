@@ -14,10 +14,12 @@ from .skip_scaling import (
     ConstantScaling,
     LearnedScaling,
     SkipScaling,
+    TokenGate,
     cs_coefficients,
     make_skip_scaling,
 )
 from .unet import UNet
+from .uvit import UViT
 
 
 def _unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
@@ -40,8 +42,22 @@ def _mlp_unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
                    num_classes=cfg.num_classes)
 
 
+def _uvit(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
+    if len(sample_shape) != 3 or sample_shape[1] != sample_shape[2]:
+        raise ValueError(f"model.backbone=uvit needs square images (C, H, W), got samples of shape {sample_shape}")
+    if sample_shape[1] % cfg.patch_size:
+        raise ValueError(f"image size {sample_shape[1]} is not divisible by model.patch_size={cfg.patch_size}")
+    return UViT(
+        img_size=sample_shape[1], patch_size=cfg.patch_size, in_chans=sample_shape[0], embed_dim=cfg.embed_dim,
+        depth=cfg.depth, num_heads=cfg.num_heads, mlp_ratio=cfg.mlp_ratio, qkv_bias=cfg.qkv_bias,
+        mlp_time_embed=cfg.mlp_time_embed, num_classes=cfg.num_classes, conv=cfg.final_conv,
+        use_checkpoint=cfg.grad_checkpointing,
+    )
+
+
 BACKBONES: dict[str, Callable[[ModelConfig, tuple[int, ...]], nn.Module]] = {
     "unet": _unet,
+    "uvit": _uvit,
     "mlp_unet": _mlp_unet,
 }
 
@@ -55,11 +71,12 @@ def build_model(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
     if cfg.backbone not in BACKBONES:
         raise ValueError(f"unknown model.backbone {cfg.backbone!r}; choose one of {', '.join(BACKBONES)}")
     model = BACKBONES[cfg.backbone](cfg, tuple(sample_shape))
-    model.skip_scaling = make_skip_scaling(cfg.skip_scaling, model.skip_channels, cfg.kappa, cfg.ls_reduction)
+    gate = getattr(model, "skip_gate", ChannelGate)
+    model.skip_scaling = make_skip_scaling(cfg.skip_scaling, model.skip_channels, cfg.kappa, cfg.ls_reduction, gate)
     return model
 
 
 __all__ = [
     "BACKBONES", "SKIP_SCALING_METHODS", "ChannelGate", "ConstantScaling", "LearnedScaling", "MLPUNet",
-    "SkipScaling", "UNet", "build_model", "cs_coefficients", "make_skip_scaling",
+    "SkipScaling", "TokenGate", "UNet", "UViT", "build_model", "cs_coefficients", "make_skip_scaling",
 ]

@@ -1,8 +1,9 @@
 """A small MLP-UNet for 2-D points (toy2d): skip scaling can be studied in seconds.
 
-Input Linear(dim -> H); `depth` encoder blocks a_1..a_N, each a residual MLP block with the time
+Input Linear(dim -> H); N = `depth` // 2 encoder blocks a_1..a_N (depth counts encoder + decoder blocks,
+as U-ViT's does), each a residual MLP block with the time
 embedding, whose outputs are the long skips (skip 0 = output of a_1, the outermost); a middle block;
-`depth` decoder blocks b_N..b_1, each fusing `Linear(2H -> H)(cat(h, kappa_i * skip_i))` and then a
+N decoder blocks b_N..b_1, each fusing `Linear(2H -> H)(cat(h, kappa_i * skip_i))` and then a
 residual MLP block, mirroring the U-ViT out-block; LayerNorm, zero-initialised Linear(H -> dim).
 """
 
@@ -42,18 +43,21 @@ class MLPUNet(nn.Module):
         skip_scaling: SkipScaling | None = None,
     ):
         super().__init__()
+        if depth < 2:
+            raise ValueError(f"depth must be >= 2 (depth // 2 encoder and decoder blocks), got {depth}")
+        n = depth // 2
         self.num_classes = num_classes
         self.embed = TimeEmbedding(hidden, hidden, num_classes)
         self.inp = nn.Linear(dim, hidden)
-        self.down = nn.ModuleList([MLPBlock(hidden, dropout) for _ in range(depth)])
+        self.down = nn.ModuleList([MLPBlock(hidden, dropout) for _ in range(n)])
         self.mid = MLPBlock(hidden, dropout)
-        self.fuse = nn.ModuleList([nn.Linear(2 * hidden, hidden) for _ in range(depth)])
-        self.up = nn.ModuleList([MLPBlock(hidden, dropout) for _ in range(depth)])
+        self.fuse = nn.ModuleList([nn.Linear(2 * hidden, hidden) for _ in range(n)])
+        self.up = nn.ModuleList([MLPBlock(hidden, dropout) for _ in range(n)])
         self.norm = nn.LayerNorm(hidden)
         self.out = zero_module(nn.Linear(hidden, dim))
-        self.skip_channels = [hidden] * depth
-        if skip_scaling is not None and skip_scaling.num_skips != depth:
-            raise ValueError(f"skip scaling built for {skip_scaling.num_skips} skips, this MLP-UNet has {depth}")
+        self.skip_channels = [hidden] * n
+        if skip_scaling is not None and skip_scaling.num_skips != n:
+            raise ValueError(f"skip scaling built for {skip_scaling.num_skips} skips, this MLP-UNet has {n}")
         self.skip_scaling = skip_scaling
 
     @property

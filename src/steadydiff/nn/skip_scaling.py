@@ -89,6 +89,24 @@ class ChannelGate(nn.Module):
         return gate.view(*gate.shape, *([1] * (skip.ndim - 2)))
 
 
+class TokenGate(nn.Module):
+    """LS calibration gate for token sequences (B, L, D), as in the official U-ViT/ScaleLong code.
+
+    Mean over the embedding dim D (one value per token), Linear(L, L/r), ReLU, Linear(L/r, L), sigmoid:
+    one gate per token, broadcast over channels; time and label tokens are gated too. Default init.
+    Parameter names `layer1`/`layer2` match the official module so its checkpoints load directly.
+    """
+
+    def __init__(self, tokens: int, reduction: int = 16):
+        super().__init__()
+        self.layer1 = nn.Linear(tokens, max(1, tokens // reduction))
+        self.layer2 = nn.Linear(max(1, tokens // reduction), tokens)
+
+    def forward(self, skip: Tensor) -> Tensor:
+        gate = torch.sigmoid(self.layer2(torch.relu(self.layer1(skip.float().mean(dim=-1)))))
+        return gate.to(skip.dtype).unsqueeze(-1)
+
+
 class LearnedScaling(SkipScaling):
     """LS: kappa_i = zeta(skip_i) with a tiny learned gate per skip (ls_ns) or shared (ls).
 
@@ -119,10 +137,12 @@ def make_skip_scaling(
     channels: Sequence[int],
     kappa: float = 0.5,
     reduction: int = 16,
+    gate: type[nn.Module] = ChannelGate,
 ) -> SkipScaling:
-    """Build a scaling object for skips with the given channel counts (outermost first).
+    """Build a scaling object for skips with the given gate widths (outermost first).
 
-    `channels[i]` is the channel (feature) dimension of skip i, which the LS gates need.
+    `channels[i]` is the width the LS gate of skip i reads: the channel count for `ChannelGate` (conv and
+    MLP backbones), the token count for `TokenGate` (U-ViT).
     """
     n = len(channels)
     if method == "org":
@@ -132,11 +152,11 @@ def make_skip_scaling(
     if method == "cs":
         return ConstantScaling(cs_coefficients(n, kappa))
     if method == "ls":
-        gates = {f"c{c}": ChannelGate(c, reduction) for c in dict.fromkeys(channels)}
+        gates = {f"c{c}": gate(c, reduction) for c in dict.fromkeys(channels)}
         return LearnedScaling([f"c{c}" for c in channels], gates)
     if method == "ls_ns":
         keys = [str(i) for i in range(n)]
-        return LearnedScaling(keys, {k: ChannelGate(c, reduction) for k, c in zip(keys, channels)})
+        return LearnedScaling(keys, {k: gate(c, reduction) for k, c in zip(keys, channels)})
     raise ValueError(f"unknown skip scaling {method!r}; choose one of {', '.join(SKIP_SCALING_METHODS)}")
 
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..config import Config, ConfigError, config_from_dict, dump_config
 from ..data import InfiniteSampler, get_batch, load_dataset
-from ..diffusion import VPSDE, sample
+from ..diffusion import VPSDE, clip_denoised, sample
 from ..nn import build_model
 from ..utils.images import save_samples
 from ..utils.io import atomic_write, atomic_write_text
@@ -46,7 +46,8 @@ class RunDirError(RuntimeError):
 # Config keys that may change between a run and its resumption (they do not alter the trajectory).
 RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.sample_every",
-    "train.sample_n", "train.sample_sampler", "train.sample_steps", "train.threads", "train.device",
+    "train.sample_n", "train.sample_sampler", "train.sample_steps", "train.sample_clip", "train.threads",
+    "train.device",
     "train.fault_nan_at_step",
 }
 
@@ -221,8 +222,9 @@ class Trainer:
 
     @torch.no_grad()
     def sample(self, n: int, sampler: str, steps: int, seed: int, use_ema: bool = True) -> torch.Tensor:
-        return generate(self.ema.model if use_ema else self.model, self.sde, self.dataset.sample_shape, n,
-                        sampler, steps, seed, self.device, self.dataset.num_classes if self.cfg.model.num_classes else 0)
+        model = self.ema.model if use_ema else self.model
+        return generate(model, self.sde, self.dataset.sample_shape, n, sampler, steps, seed, self.device,
+                        self.cfg.model.num_classes, clip=self.cfg.train.sample_clip)
 
     def _write_samples(self) -> None:
         t = self.cfg.train
@@ -276,8 +278,13 @@ class Trainer:
 
 @torch.no_grad()
 def generate(model, sde, sample_shape, n: int, sampler: str, steps: int, seed: int,
-             device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256) -> torch.Tensor:
-    """Draw `n` samples with one of the samplers; labels cycle 0..num_classes-1 for conditional models."""
+             device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
+             clip: bool = True) -> torch.Tensor:
+    """Draw `n` samples with one of the samplers; labels cycle 0..num_classes-1 for conditional models.
+
+    `clip`: for image data (in [-1, 1]) keep the denoised estimate in that range at every step
+    (`clip_denoised`); points (toy2d) are never clipped.
+    """
     model.eval()
     out = []
     g = torch.Generator(device=device).manual_seed(seed)
@@ -289,6 +296,8 @@ def generate(model, sde, sample_shape, n: int, sampler: str, steps: int, seed: i
         def eps_fn(x, t, labels=labels):
             return sde.eps(model, x, t, labels)
 
+        if clip and len(sample_shape) == 3:
+            eps_fn = clip_denoised(eps_fn, sde, 1.0)
         out.append(sample(sampler, eps_fn, sde, x_T, steps, generator=g).float().cpu())
     return torch.cat(out)
 
