@@ -71,6 +71,16 @@ def time_steps(model, sde, x, steps: int, bf16: bool) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
@@ -114,7 +124,7 @@ def main() -> None:
     meta = {
         "command": "python " + " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, "
                    f"torch {torch.__version__}",
         "batch": args.batch, "resolution": 28,
         "steadydiff_params": n_ours, "diffusers_params": n_theirs, "diffusers_base_channels": base,
