@@ -1,4 +1,9 @@
-"""Training throughput: steadydiff's demo UNet against diffusers' UNet2DModel at matched size.
+"""Training throughput, side by side in one process:
+
+- steadydiff's demo UNet against diffusers' UNet2DModel at matched size;
+- steadydiff's U-ViT (configs/uvit-fashion.yaml) against the official U-ViT/ScaleLong model code at the
+  identical configuration and weights, when `--official-uvit DIR` points at a checkout of
+  sail-sg/ScaleLong (run beside ours, never committed; needs `einops` importable).
 
 Both models take one identical training step (VP-SDE noise-prediction loss, backward, AdamW) on the same
 batch, resolution and precision. Steps of the two models are interleaved in rounds so that machine noise
@@ -6,6 +11,7 @@ hits both alike; we report medians and the ratio. diffusers is a benchmark-only 
 (`pip install -e ".[bench]"`).
 
     python benchmarks/throughput.py [--batch 32] [--rounds 5] [--steps 5] [--precision fp32 bf16]
+                                    [--official-uvit PATH/TO/ScaleLong]
 
 Writes benchmarks/results/throughput.json and .md (command, machine, date included).
 """
@@ -71,6 +77,47 @@ def time_steps(model, sde, x, steps: int, bf16: bool) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def uvit_pair(official_dir: str):
+    """Our U-ViT preset and the official model at the same config, holding the same weights."""
+    sys.path.insert(0, official_dir)
+    from libs.uvit import UViT as OfficialUViT
+
+    from steadydiff.nn.convert import load_official_uvit
+
+    m = load_config(ROOT.parent / "configs" / "uvit-fashion.yaml").model
+    torch.manual_seed(0)
+    ref = OfficialUViT(img_size=28, patch_size=m.patch_size, in_chans=1, embed_dim=m.embed_dim, depth=m.depth,
+                       num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias,
+                       mlp_time_embed=m.mlp_time_embed, scalelong=2, kappa=m.kappa)
+    mine, _, _ = load_official_uvit(ref.state_dict(), m.num_heads, "cs", m.kappa)
+    return mine, OfficialAdapter(ref)
+
+
+class OfficialAdapter(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, t, labels=None):
+        return self.net(x, t)
+
+
+def compare(mine, ref, sde, x, bf16: bool, rounds: int, steps: int) -> dict:
+    for m in (mine, ref):  # warm-up
+        time_steps(m, sde, x, 2, bf16)
+    times: dict[str, list[float]] = {"mine": [], "ref": []}
+    for _ in range(rounds):
+        times["mine"].append(time_steps(mine, sde, x, steps, bf16))
+        times["ref"].append(time_steps(ref, sde, x, steps, bf16))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "steadydiff_img_per_s": x.shape[0] / med["mine"],
+        "reference_img_per_s": x.shape[0] / med["ref"],
+        "ratio": med["ref"] / med["mine"],
+        "per_round_ratio": [b / a for a, b in zip(times["mine"], times["ref"])],
+    }
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -88,6 +135,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--out", default=str(ROOT / "results" / "throughput"))
+    ap.add_argument("--official-uvit", help="checkout of sail-sg/ScaleLong to time its U-ViT beside ours")
     args = ap.parse_args()
 
     cfg = load_config(ROOT.parent / "configs" / "demo.yaml")
@@ -99,27 +147,18 @@ def main() -> None:
     n_theirs = sum(p.numel() for p in theirs.parameters())
     sde = VPSDE()
     x = torch.randn(args.batch, 1, 28, 28)
+    pairs = [("unet", "diffusers UNet2DModel", ours, theirs)]
+    if args.official_uvit:
+        pairs.append(("uvit", "official U-ViT", *uvit_pair(args.official_uvit)))
 
     results = []
-    for prec in args.precision:
-        bf16 = prec == "bf16"
-        for m in (ours, theirs):  # warm-up
-            time_steps(m, sde, x, 2, bf16)
-        times: dict[str, list[float]] = {"steadydiff": [], "diffusers": []}
-        for _ in range(args.rounds):
-            times["steadydiff"].append(time_steps(ours, sde, x, args.steps, bf16))
-            times["diffusers"].append(time_steps(theirs, sde, x, args.steps, bf16))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        row = {
-            "precision": prec,
-            "steadydiff_img_per_s": args.batch / med["steadydiff"],
-            "diffusers_img_per_s": args.batch / med["diffusers"],
-            "ratio": med["diffusers"] / med["steadydiff"],
-            "per_round_ratio": [b / a for a, b in zip(times["steadydiff"], times["diffusers"])],
-        }
-        results.append(row)
-        print(f"{prec}: steadydiff {row['steadydiff_img_per_s']:.1f} img/s, diffusers "
-              f"{row['diffusers_img_per_s']:.1f} img/s, ratio {row['ratio']:.2f}x", flush=True)
+    for name, ref_name, mine, ref in pairs:
+        for prec in args.precision:
+            row = compare(mine, ref, sde, x, prec == "bf16", args.rounds, args.steps)
+            row.update(model=name, reference=ref_name, precision=prec)
+            results.append(row)
+            print(f"{name} {prec}: steadydiff {row['steadydiff_img_per_s']:.1f} img/s, {ref_name} "
+                  f"{row['reference_img_per_s']:.1f} img/s, ratio {row['ratio']:.2f}x", flush=True)
 
     meta = {
         "command": "python " + " ".join(sys.argv),
@@ -134,16 +173,18 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     lines = [
-        "# Training throughput: demo UNet vs diffusers UNet2DModel", "",
+        "# Training throughput: steadydiff vs reference implementations", "",
         f"- command: `{meta['command']}`", f"- date: {meta['date']}", f"- machine: {meta['machine']}",
-        f"- batch {args.batch}, 28x28, one step = VP loss + backward + AdamW; medians of {args.rounds} "
+        f"- batch {args.batch}, 28x28x1, one step = VP loss + backward + AdamW; medians of {args.rounds} "
         f"interleaved rounds of {args.steps} steps",
-        f"- parameters: steadydiff {n_ours:,}, diffusers {n_theirs:,} (base channels {base})", "",
-        "| precision | steadydiff img/s | diffusers img/s | ratio (ours / theirs) |", "|---|---|---|---|",
+        f"- UNet parameters: steadydiff {n_ours:,}, diffusers {n_theirs:,} (base channels {base})",
+        "- U-ViT: configs/uvit-fashion.yaml, the official model built at the same config with the same weights", "",
+        "| model | reference | precision | steadydiff img/s | reference img/s | speed ratio (ours / ref) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r['precision']} | {r['steadydiff_img_per_s']:.1f} | {r['diffusers_img_per_s']:.1f} | "
-                     f"{r['ratio']:.2f}x |")
+        lines.append(f"| {r['model']} | {r['reference']} | {r['precision']} | {r['steadydiff_img_per_s']:.1f} | "
+                     f"{r['reference_img_per_s']:.1f} | {r['ratio']:.2f}x |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')} and .md")
 

@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample.
+"""`steadydiff` command line: train | sample | convert.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
 `steadydiff: error: ...` that names the fix, and a non-zero exit status.
@@ -66,6 +66,44 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .config import Config, DataConfig, dump_config
+    from .nn.convert import load_official_uvit, steadydiff_to_official
+    from .train import find_weights, read_checkpoint, save_checkpoint
+    from .utils.io import atomic_write, atomic_write_text
+
+    src, out = Path(args.input), Path(args.out)
+    if args.kind == "uvit-official":
+        if not src.is_file():
+            raise ConfigError(f"{src} not found; pass the official nnet.pth or nnet_ema.pth file")
+        if args.num_heads is None:
+            raise ConfigError("--num-heads is required: no tensor records the head count (U-ViT-S: 8, M/L: 12)")
+        if (out / "checkpoints").exists():
+            raise ConfigError(f"{out} already holds checkpoints; choose a new --out directory")
+        model, mcfg, shape = load_official_uvit(src, args.num_heads, args.skip_scaling, args.kappa)
+        # The data section is a placeholder: point data.root at your images (or pick a dataset) to fine-tune.
+        cfg = Config(model=mcfg, data=DataConfig(name="folder", root="SET-data.root", resolution=shape[1]))
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.yaml", dump_config(cfg))
+        sd = model.state_dict()
+        save_checkpoint(out / "checkpoints", 0, sd, sd, {"sample_shape": list(shape), "converted_from": str(src)})
+        print(f"converted {src} -> {out} (U-ViT {mcfg.embed_dim}d, depth {mcfg.depth}, patch {mcfg.patch_size}, "
+              f"{shape[1]}x{shape[2]}x{shape[0]}, skip_scaling {mcfg.skip_scaling}); sample with "
+              f"`steadydiff sample {out} --out samples.png`")
+        return 0
+    ckpt = read_checkpoint(find_weights(src))
+    weights = ckpt.model if args.no_ema or ckpt.ema is None else ckpt.ema
+    n_skips = len({k.split(".")[1] for k in weights if k.startswith("out_blocks.")})
+    if not n_skips:
+        raise ConfigError(f"{src} does not hold a U-ViT (no out_blocks.* weights)")
+    official = steadydiff_to_official(weights, n_skips)
+    atomic_write(out, lambda p: torch.save(official, p))
+    print(f"wrote the official U-ViT layout of {src} (step {ckpt.step}) to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -90,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--threads", type=int, default=None)
     s.set_defaults(func=_cmd_sample)
+
+    c = sub.add_parser("convert", help="convert checkpoints from/to the official U-ViT/ScaleLong layout")
+    c.add_argument("kind", choices=["uvit-official", "to-uvit-official"],
+                   help="uvit-official: official nnet.pth -> steadydiff run dir; to-uvit-official: the reverse")
+    c.add_argument("input", help="official .pth file (uvit-official) or steadydiff run/checkpoint dir")
+    c.add_argument("--out", required=True, help="run directory (uvit-official) or .pth file (to-uvit-official)")
+    c.add_argument("--num-heads", type=int, help="attention heads (uvit-official; not stored in checkpoints)")
+    c.add_argument("--skip-scaling", choices=["org", "inv_sqrt2", "cs"], default="org",
+                   help="official scalelong 0/1/2 (LS variants are detected from the weights)")
+    c.add_argument("--kappa", type=float, default=0.5)
+    c.add_argument("--no-ema", action="store_true", help="to-uvit-official: export raw instead of EMA weights")
+    c.set_defaults(func=_cmd_convert)
     return p
 
 
@@ -103,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"steadydiff: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (ConfigError, DataError, CheckpointError, RunDirError, ValueError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirError, ValueError, OSError) as e:
         if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
             raise
         print(f"steadydiff: error: {e}", file=sys.stderr)

@@ -90,9 +90,15 @@ class StepResult:
 
 
 class Trainer:
-    """Train `cfg` into `run_dir`, resuming from its latest checkpoint when there is one."""
+    """Train `cfg` into `run_dir`, resuming from its latest checkpoint when there is one.
 
-    def __init__(self, cfg: Config, run_dir: str | Path, show_progress: bool = True):
+    `model`: train your own backbone instead of `cfg.model` (any module called as `model(x, t, labels)`
+    that predicts the noise; see `steadydiff.nn.diffusers_compat.DiffusersUNetAdapter`). `steadydiff
+    sample` rebuilds models from `cfg.model`, so for such runs sample from Python with `generate`.
+    """
+
+    def __init__(self, cfg: Config, run_dir: str | Path, show_progress: bool = True,
+                 model: torch.nn.Module | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.show_progress = show_progress
@@ -110,7 +116,7 @@ class Trainer:
                 f"classes; set model.num_classes={self.dataset.num_classes} or 0 (unconditional)"
             )
         torch.manual_seed(t.seed)
-        self.model = build_model(cfg.model, self.dataset.sample_shape).to(self.device)
+        self.model = (model if model is not None else build_model(cfg.model, self.dataset.sample_shape)).to(self.device)
         self.sde = VPSDE.from_config(cfg.diffusion)
         self.lr_schedule = WarmupConstant(t.warmup_steps)
         self.optimizer = torch.optim.AdamW(
@@ -150,7 +156,8 @@ class Trainer:
         self.model.load_state_dict(ckpt.model)
         if ckpt.ema is not None:
             self.ema.model.load_state_dict(ckpt.ema)
-        self.optimizer.load_state_dict(ckpt.state["optimizer"])
+        if "optimizer" in ckpt.state:  # absent in converted checkpoints: fine-tuning starts a fresh optimiser
+            self.optimizer.load_state_dict(ckpt.state["optimizer"])
         self.step = ckpt.step
 
     def _truncate_metrics(self) -> None:
@@ -256,8 +263,10 @@ class Trainer:
                         "grad_norm": sum(r.grad_norm for r in window) / len(window),
                         "lr": self.optimizer.param_groups[0]["lr"],
                         "images_per_sec": n_img / dt if dt > 0 else float("nan"),
-                        "skip_coeffs": [round(c, 6) for c in self.model.skip_scaling.coefficients()],
                     }
+                    scaling = getattr(self.model, "skip_scaling", None)
+                    if scaling is not None:
+                        rec["skip_coeffs"] = [round(c, 6) for c in scaling.coefficients()]
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
                     bar.set_postfix(loss=f"{rec['loss']:.4f}")
