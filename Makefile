@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 test: $(STAMP) data lint
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -q
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"

@@ -25,6 +25,7 @@ def toy_cfg(*extra):
 
 def losses(run_dir):
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]  # training log lines (monitor lines carry grad/... keys)
     return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 

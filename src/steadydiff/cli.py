@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample | convert.
+"""`steadydiff` command line: train | sample | convert | diagnose.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
 `steadydiff: error: ...` that names the fix, and a non-zero exit status.
@@ -104,6 +104,25 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from .diagnostics.report import diagnose_at_init, diagnose_runs
+
+    out = Path(args.out)
+    if args.at_init:
+        if args.runs:
+            raise ConfigError("pass either run directories or --at-init CONFIG, not both")
+        diagnose_at_init(load_config(args.at_init, args.set), out)
+    else:
+        if not args.runs:
+            raise ConfigError("nothing to diagnose: pass RUN_DIR ... or --at-init CONFIG.yaml")
+        for r in args.runs:
+            if not (Path(r) / "config.yaml").is_file():
+                raise ConfigError(f"{r} is not a steadydiff run directory (no config.yaml)")
+        diagnose_runs([Path(r) for r in args.runs], out)
+    print(f"wrote {out}/stability.json, stability.md and plots")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -140,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kappa", type=float, default=0.5)
     c.add_argument("--no-ema", action="store_true", help="to-uvit-official: export raw instead of EMA weights")
     c.set_defaults(func=_cmd_convert)
+
+    d = sub.add_parser("diagnose", help="stability statistics and plots of runs, or init-time checks")
+    d.add_argument("runs", nargs="*", help="run directories to compare (overlaid in the plots)")
+    d.add_argument("--at-init", metavar="CONFIG", help="init-time checks (theory fit, sensitivity) for a config")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (with --at-init)")
+    d.add_argument("--out", required=True, help="output directory")
+    d.set_defaults(func=_cmd_diagnose)
     return p
 
 

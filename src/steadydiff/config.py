@@ -93,11 +93,25 @@ class TrainConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    """Monitors the trainer runs (0 = off). Only the cheap per-block gradient norms are on by default."""
+
+    grad_every: int = 1  # per-block gradient norms (grad/...)
+    probe_every: int = 0  # probe loss, decoder-feature and skip norms on a fixed batch (probe/...)
+    update_every: int = 0  # update-to-weight ratio per block (update/...)
+    magnitude_every: int = 0  # activation and weight RMS per block, EDM2 Fig. 3 style (mag/...)
+    probe_size: int = 32  # probe batch size
+    probe_seed: int = 1234  # the probe batch is drawn from this seed, independent of training
+    tensorboard: bool = False  # also write scalars to RUN_DIR/tb (needs the tensorboard package)
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -198,6 +212,14 @@ def _check_ranges(cfg: Config) -> None:
         "model.patch_size": m.patch_size,
         "model.ls_reduction": m.ls_reduction, "model.num_heads": m.num_heads,
     }
+    dg = cfg.diagnostics
+    intervals = {"diagnostics.grad_every": dg.grad_every, "diagnostics.probe_every": dg.probe_every,
+                 "diagnostics.update_every": dg.update_every, "diagnostics.magnitude_every": dg.magnitude_every}
+    for key, v in intervals.items():
+        if v < 0:
+            raise ConfigError(f"{key}: must be >= 0 (0 disables), got {v}")
+    if dg.probe_size <= 0:
+        raise ConfigError(f"diagnostics.probe_size: must be > 0, got {dg.probe_size}")
     for key, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{key}: must be > 0, got {v}")

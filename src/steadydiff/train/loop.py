@@ -16,7 +16,7 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,14 @@ from tqdm import tqdm
 
 from ..config import Config, ConfigError, config_from_dict, dump_config
 from ..data import InfiniteSampler, get_batch, load_dataset
+from ..diagnostics.monitors import (
+    GradNormMonitor,
+    MagnitudeMonitor,
+    Monitor,
+    ProbeBatch,
+    ProbeMonitor,
+    UpdateRatioMonitor,
+)
 from ..diffusion import VPSDE, clip_denoised, sample
 from ..nn import build_model
 from ..utils.images import save_samples
@@ -64,8 +72,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(a: Config, b: Config) -> list[str]:
+    """Differences that would change the trajectory (monitors and output settings may change on resume)."""
     fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
-    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in fa if fa.get(k) != fb.get(k) and k not in RESUMABLE_CHANGES]
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in fa
+            if fa.get(k) != fb.get(k) and k not in RESUMABLE_CHANGES and not k.startswith("diagnostics.")]
 
 
 def step_generator(seed: int, step: int, stream: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -87,6 +97,7 @@ def pick_device(name: str) -> torch.device:
 class StepResult:
     loss: float
     grad_norm: float
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer:
@@ -125,6 +136,16 @@ class Trainer:
         self.ema = EMA(self.model, t.ema_decay, t.ema_warmup)
         self.step = 0
         self._resume()
+        self.monitors: list[Monitor] | None = None  # built in fit(): the probe batch lives in the run dir
+
+    def _build_monitors(self) -> list[Monitor]:
+        d = self.cfg.diagnostics
+        monitors: list[Monitor] = [GradNormMonitor(d.grad_every), UpdateRatioMonitor(d.update_every)]
+        if d.probe_every or d.magnitude_every:
+            probe = ProbeBatch.load_or_create(self.run_dir / "probe.safetensors", self, d.probe_size,
+                                              d.probe_seed).to(self.device)
+            monitors += [ProbeMonitor(d.probe_every, probe), MagnitudeMonitor(d.magnitude_every, probe)]
+        return [m for m in monitors if m.every > 0]
 
     # ---------------------------------------------------------------------------------------------
     # run directory and resume
@@ -210,12 +231,20 @@ class Trainer:
                 f"loss is {loss_value} at step {k}; stopped without saving (last good checkpoint kept in "
                 f"{self.ckpt_dir}); lower train.lr, set train.grad_clip, or disable train.bf16"
             )
+        diag: dict[str, float] = {}
+        due = [m for m in self.monitors or [] if m.due(k + 1)]
+        for m in due:  # gradient norms before clipping: the oscillation the papers talk about
+            diag.update(m.after_backward(self, k + 1))
         max_norm = t.grad_clip if t.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        for m in due:
+            m.before_step(self, k + 1)
         self.optimizer.step()
         self.ema.update(self.model, k)
         self.step = k + 1
-        return StepResult(loss_value, grad_norm)
+        for m in due:
+            diag.update(m.after_step(self, self.step))
+        return StepResult(loss_value, grad_norm, diag)
 
     # ---------------------------------------------------------------------------------------------
     # outputs
@@ -226,6 +255,18 @@ class Trainer:
                  "sample_shape": list(self.dataset.sample_shape)}
         return save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(), self.ema.model.state_dict(),
                                state, keep=self.cfg.train.keep_ckpts)
+
+    def _tensorboard(self):
+        if not self.cfg.diagnostics.tensorboard:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(
+                "diagnostics.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                "(or set diagnostics.tensorboard=false)"
+            ) from e
+        return SummaryWriter(str(self.run_dir / "tb"))
 
     @torch.no_grad()
     def sample(self, n: int, sampler: str, steps: int, seed: int, use_ema: bool = True) -> torch.Tensor:
@@ -249,10 +290,17 @@ class Trainer:
         t0, n_img = time.perf_counter(), 0
         bar = tqdm(total=t.steps, initial=self.step, desc="train", disable=not self.show_progress,
                    dynamic_ncols=True)
+        self.monitors = self._build_monitors()
+        tb = self._tensorboard()
         with open(log_path, "a") as log:
             while self.step < t.steps:
                 res = self.train_step()
                 window.append(res)
+                if res.diagnostics:
+                    log.write(json.dumps({"step": self.step, **res.diagnostics}) + "\n")
+                    if tb is not None:
+                        for key, v in res.diagnostics.items():
+                            tb.add_scalar(key, v, self.step)
                 n_img += t.batch_size
                 bar.update(1)
                 if self.step % t.log_every == 0 or self.step == t.steps:
@@ -269,6 +317,9 @@ class Trainer:
                         rec["skip_coeffs"] = [round(c, 6) for c in scaling.coefficients()]
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
+                    if tb is not None:
+                        for key in ("loss", "grad_norm", "lr", "images_per_sec"):
+                            tb.add_scalar(f"train/{key}", rec[key], self.step)
                     bar.set_postfix(loss=f"{rec['loss']:.4f}")
                     window.clear()
                     t0, n_img = time.perf_counter(), 0
@@ -278,6 +329,8 @@ class Trainer:
                 if t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
                     self._write_samples()
         bar.close()
+        if tb is not None:
+            tb.close()
         if latest_checkpoint(self.ckpt_dir) is None or self.step % t.ckpt_every:
             self.save()
         self._write_samples()
