@@ -1,10 +1,11 @@
 """Cost of the training monitors: step time with diagnostics off vs at the default intervals vs all on.
 
-Each arm is a full `Trainer` on the demo config (Fashion-MNIST, demo UNet) for the same steps; the arms
-run interleaved in rounds in one process and we compare median time per step. The goal (roadmap 3) is
+One `Trainer` on the demo config (Fashion-MNIST, demo UNet) trains continuously while the monitor set is
+swapped per block of steps (off / default / all on); blocks are interleaved in rounds and we compare the
+median time per step. The goal (roadmap 3) is
 <= 10% overhead at the default intervals.
 
-    python benchmarks/monitor_overhead.py [--steps 40] [--rounds 3]
+    python benchmarks/monitor_overhead.py [--block 50] [--rounds 4]
 
 Writes benchmarks/results/monitor_overhead.json and .md (command, machine, date included).
 """
@@ -23,47 +24,53 @@ from pathlib import Path
 import torch
 
 from steadydiff.config import load_config
+from steadydiff.diagnostics import GradNormMonitor
 from steadydiff.train import Trainer
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from throughput import cpu_name  # noqa: E402
 
-ARMS = {
-    "off": ["diagnostics.grad_every=0"],
-    "default": [],  # grad_every=1, everything else off
-    "all (probe/update/magnitude every 50)": ["diagnostics.probe_every=50", "diagnostics.update_every=50",
-                                              "diagnostics.magnitude_every=50"],
-}
 
-
-def time_arm(overrides: list[str], steps: int) -> float:
-    cfg = load_config(ROOT.parent / "configs" / "demo.yaml",
-                      [f"train.steps={steps}", "train.ckpt_every=100000", "train.sample_every=0",
-                       "train.log_every=25", "data.max_items=4096", *overrides])
-    with tempfile.TemporaryDirectory() as d:
-        tr = Trainer(cfg, Path(d) / "run", show_progress=False)
-        tr.monitors = tr._build_monitors()
-        for _ in range(3):  # warm-up
-            tr.train_step()
-        t0 = time.perf_counter()
-        while tr.step < steps:
-            tr.train_step()
-        return (time.perf_counter() - t0) / (steps - 3)
+def build_arms(steps_per_block: int):
+    """One Trainer; the arms are monitor lists swapped in per block of steps (monitors never change the
+    trajectory, so all arms train the same model). Blocks are aligned to multiples of the probe interval,
+    so each 'all' block contains exactly one probe/update/magnitude firing."""
+    cfg = load_config(ROOT.parent / "configs" / "demo.yaml", [
+        "train.steps=1000000", "data.max_items=4096", f"diagnostics.probe_every={steps_per_block}",
+        f"diagnostics.update_every={steps_per_block}", f"diagnostics.magnitude_every={steps_per_block}"])
+    tmp = tempfile.TemporaryDirectory()
+    tr = Trainer(cfg, Path(tmp.name) / "run", show_progress=False)
+    tr.run_dir.mkdir(parents=True)
+    everything = tr._build_monitors()
+    arms = {
+        "off": [],
+        "default (grad norms every step)": [m for m in everything if isinstance(m, GradNormMonitor)],
+        f"all (+ probe, update, magnitude every {steps_per_block})": everything,
+    }
+    return tr, arms, tmp
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block", type=int, default=50, help="steps per block (= the probe interval)")
+    ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
-    times: dict[str, list[float]] = {k: [] for k in ARMS}
+    tr, arms, tmp = build_arms(args.block)
+    for _ in range(args.block):  # warm-up, and align the step counter to a block boundary
+        tr.train_step()
+    times: dict[str, list[float]] = {k: [] for k in arms}
     for r in range(args.rounds):
-        for name, ov in ARMS.items():
-            times[name].append(time_arm(ov, args.steps))
+        for name, monitors in arms.items():
+            tr.monitors = monitors
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                tr.train_step()
+            times[name].append((time.perf_counter() - t0) / args.block)
             print(f"round {r} {name}: {times[name][-1] * 1000:.0f} ms/step", flush=True)
+    tmp.cleanup()
     med = {k: statistics.median(v) for k, v in times.items()}
-    rows = [{"arm": k, "ms_per_step": med[k] * 1000, "overhead": med[k] / med["off"] - 1} for k in ARMS]
+    rows = [{"arm": k, "ms_per_step": med[k] * 1000, "overhead": med[k] / med["off"] - 1} for k in arms]
     meta = {
         "command": "python " + " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -75,7 +82,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     lines = ["# Monitor overhead", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
              f"- machine: {meta['machine']}", f"- {meta['config']}; medians of {args.rounds} interleaved rounds of "
-             f"{args.steps} steps", "", "| arm | ms/step | overhead vs off |", "|---|---|---|"]
+             f"{args.block}-step blocks", "", "| arm | ms/step | overhead vs off |", "|---|---|---|"]
     lines += [f"| {r['arm']} | {r['ms_per_step']:.0f} | {r['overhead'] * 100:+.1f}% |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     for r in rows:

@@ -83,7 +83,7 @@ def test_probe_batch_is_stored_and_reused_on_resume(tmp_path):
     # The logged probe loss is the VP loss on exactly those tensors (here: with the final weights).
     with torch.no_grad():
         tr.model.eval()
-        expect = tr.sde.loss(tr.model, probe["x0"], t=probe["t"], noise=probe["noise"]).mean()
+        expect = tr.diffusion.loss(tr.model, probe["x0"], t=probe["t"], noise=probe["noise"]).mean()
     last = [r for r in rows(run) if "probe/loss" in r][-1]
     assert last["step"] == 8 and last["probe/loss"] == pytest.approx(float(expect), rel=1e-5)
 

@@ -148,6 +148,6 @@ def test_checkpoint_state_loads_with_weights_only(tmp_path):
 def test_generate_is_deterministic_and_conditional_labels_cycle(tmp_path):
     cfg = toy_cfg("train.steps=1")
     tr = Trainer(cfg, tmp_path / "run", show_progress=False)
-    a = generate(tr.ema.model, tr.sde, (2,), 10, "ddim", 5, seed=3)
-    b = generate(tr.ema.model, tr.sde, (2,), 10, "ddim", 5, seed=3)
+    a = generate(tr.ema.model, tr.diffusion, (2,), 10, "ddim", 5, seed=3)
+    b = generate(tr.ema.model, tr.diffusion, (2,), 10, "ddim", 5, seed=3)
     assert torch.equal(a, b) and a.shape == (10, 2)

@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample | convert | diagnose.
+"""`steadydiff` command line: train | sample | convert | diagnose | phema.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
 `steadydiff: error: ...` that names the fix, and a non-zero exit status.
@@ -11,9 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
-from .config import ConfigError, config_from_dict, load_config
+from .config import ConfigError, load_config
 
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
@@ -37,32 +35,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from .diffusion import VPSDE
-    from .nn import build_model
-    from .train import find_weights, generate, read_checkpoint
+    from .train import generate, load_run_model
     from .train.loop import pick_device
     from .utils.images import save_samples
 
-    run = Path(args.run)
-    cfg_file = run / "config.yaml"
-    if not cfg_file.is_file():
-        raise ConfigError(f"{run} is not a steadydiff run directory (no config.yaml); pass the --out of a train run")
-    cfg = config_from_dict(yaml.safe_load(cfg_file.read_text()))
-    ckpt = read_checkpoint(find_weights(run))
-    weights = ckpt.model if args.no_ema or ckpt.ema is None else ckpt.ema
-    shape = tuple(int(s) for s in ckpt.state["sample_shape"])
-    model = build_model(cfg.model, shape)
-    model.load_state_dict(weights)
-    device = pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    x = generate(model.to(device), VPSDE.from_config(cfg.diffusion), shape, args.n, args.sampler, args.steps,
-                 args.seed, device, cfg.model.num_classes, clip=not args.no_clip)
+    cfg, model, formulation, ckpt = load_run_model(args.run, use_ema=not args.no_ema)
+    sampler = args.sampler or cfg.train.sample_sampler
+    if sampler not in formulation.samplers:
+        raise ConfigError(f"--sampler {sampler} does not apply to diffusion.kind={formulation.kind}; choose one of "
+                          f"{', '.join(formulation.samplers)}")
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'samples.png'}")
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = tuple(int(s) for s in ckpt.state["sample_shape"])
+    x = generate(model.to(device), formulation, shape, args.n, sampler, args.steps, args.seed, device,
+                 cfg.model.num_classes, clip=not args.no_clip)
     save_samples(x, out)
-    print(f"wrote {args.n} samples (step {ckpt.step}, {'raw' if weights is ckpt.model else 'EMA'} weights) to {out}")
+    kind = "raw" if args.no_ema or ckpt.ema is None else "EMA"
+    print(f"wrote {args.n} samples (step {ckpt.step}, {kind} weights, {sampler}) to {out}")
     return 0
 
 
@@ -123,6 +116,44 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_phema(args: argparse.Namespace) -> int:
+    import shutil
+
+    from .train import latest_checkpoint, save_checkpoint
+    from .train.checkpoint import load_state
+    from .train.phema import list_snapshots, reconstruct, sigma_rel_to_gamma
+
+    run, out = Path(args.run), Path(args.out)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{run} is not a steadydiff run directory (no config.yaml)")
+    snap_dir = run / "phema"
+    snaps = list_snapshots(snap_dir) if snap_dir.is_dir() else []
+    if not snaps:
+        raise ConfigError(f"no post-hoc EMA snapshots in {snap_dir}; train with train.ema_sigma_rels=[0.05,0.1]")
+    try:
+        sigmas = [float(v) for v in args.sigma_rel.split(",") if v.strip()]
+    except ValueError as e:
+        raise ConfigError(f"--sigma-rel {args.sigma_rel!r}: expected numbers like 0.05,0.1") from e
+    for sr in sigmas:
+        sigma_rel_to_gamma(sr)  # ValueError naming the valid range
+    steps = sorted({sn.step for sn in snaps})
+    step = args.step if args.step is not None else steps[-1]
+    if step not in steps:
+        raise ConfigError(f"--step {step}: no snapshot at that step; available: {steps[0]} ... {steps[-1]}")
+    latest = latest_checkpoint(run / "checkpoints")
+    shape = load_state(latest / "state.pt")["sample_shape"] if latest else None
+    if shape is None:
+        raise ConfigError(f"{run} has no checkpoint to read the sample shape from; let training write one")
+    for (st, sr), weights in reconstruct(snaps, [(step, sr) for sr in sigmas]):
+        target = out / f"step-{st:07d}-sigma-{sr:.3f}"
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run / "config.yaml", target / "config.yaml")
+        save_checkpoint(target / "checkpoints", st, weights, None,
+                        {"sample_shape": list(shape), "phema": {"sigma_rel": sr, "source": str(run)}})
+        print(f"sigma_rel {sr:.3f} at step {st}: {target} (sample with `steadydiff sample {target} --out x.png`)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -138,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="draw samples from a trained run into a PNG")
     s.add_argument("run", help="run directory (or a checkpoint directory inside it)")
     s.add_argument("--n", type=int, default=64)
-    s.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m"], default="dpmpp2m")
+    s.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m", "heun", "euler"],
+                   help="vp: em | ddim | dpmpp2m; edm: heun | euler (default: the run's train.sample_sampler)")
     s.add_argument("--steps", type=int, default=50)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG file to write")
@@ -166,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (with --at-init)")
     d.add_argument("--out", required=True, help="output directory")
     d.set_defaults(func=_cmd_diagnose)
+
+    ph = sub.add_parser("phema", help="post-hoc EMA: reconstruct EMA weights of any length from snapshots")
+    ph.add_argument("run", help="run directory trained with train.ema_sigma_rels")
+    ph.add_argument("--sigma-rel", required=True, help="comma-separated relative EMA lengths, e.g. 0.03,0.05,0.1")
+    ph.add_argument("--step", type=int, help="training step to reconstruct at (default: the last snapshot)")
+    ph.add_argument("--out", required=True, help="directory for one sampleable run directory per sigma_rel")
+    ph.set_defaults(func=_cmd_phema)
     return p
 
 

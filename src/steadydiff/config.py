@@ -35,15 +35,16 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    backbone: Literal["unet", "uvit", "mlp_unet"] = "unet"
+    backbone: Literal["unet", "uvit", "edm2", "mlp_unet"] = "unet"
     skip_scaling: Literal["org", "inv_sqrt2", "cs", "ls", "ls_ns"] = "org"
     kappa: float = 0.5  # CS: LSC i (1 = outermost) is scaled by kappa**(i-1)
     ls_reduction: int = 16  # LS gate bottleneck ratio r
-    channels: int = 64  # unet: base channel count
+    channels: int = 64  # unet, edm2: base channel count (EDM2's model_channels)
     channel_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
-    num_res_blocks: int = 2
+    num_res_blocks: int = 2  # unet, edm2 (EDM2's num_blocks): blocks per level
     attn_resolutions: list[int] = field(default_factory=lambda: [7])
-    num_heads: int = 4
+    num_heads: int = 4  # unet, uvit
+    channels_per_head: int = 64  # edm2: attention heads = channels // channels_per_head
     dropout: float = 0.0
     num_classes: int = 0  # > 0: class-conditional (label embedding added to the time embedding)
     hidden: int = 128  # mlp_unet: width
@@ -59,10 +60,19 @@ class ModelConfig:
 
 @dataclass
 class DiffusionConfig:
-    kind: Literal["vp"] = "vp"
+    kind: Literal["vp", "edm"] = "vp"
+    # vp: continuous VP-SDE (U-ViT/ScaleLong)
     beta_min: float = 0.1
     beta_max: float = 20.0
     t_eps: float = 1e-5  # t ~ U(t_eps, 1)
+    # edm: EDM preconditioning and EDM2 loss (defaults: EDM2's ImageNet-64 RGB setting)
+    sigma_data: float = 0.5
+    p_mean: float = -0.8  # ln sigma ~ N(p_mean, p_std^2) in training
+    p_std: float = 1.6
+    sigma_min: float = 0.002  # sampling
+    sigma_max: float = 80.0
+    rho: float = 7.0
+    learn_uncertainty: bool = True  # EDM2's learned u(sigma) loss weighting
 
 
 @dataclass
@@ -73,6 +83,10 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     warmup_steps: int = 100
+    lr_schedule: Literal["constant", "cosine", "inv_sqrt"] = "constant"
+    lr_ref_steps: int = 35000  # inv_sqrt: t_ref, the step where the 1/sqrt decay starts (EDM2)
+    ema_sigma_rels: list[float] = field(default_factory=list)  # power-function EMAs to track, e.g. [0.05, 0.10]
+    phema_snapshot_every: int = 0  # steps between post-hoc EMA snapshots (0: only with checkpoints)
     grad_clip: float | None = 1.0  # max global grad norm; null disables
     grad_accum: int = 1  # micro-batches per optimiser step (batch_size is split across them)
     ema_decay: float = 0.999
@@ -85,7 +99,8 @@ class TrainConfig:
     keep_ckpts: int = 2
     sample_every: int = 0  # 0: only at the end
     sample_n: int = 64
-    sample_sampler: Literal["em", "ddim", "dpmpp2m"] = "dpmpp2m"
+    # vp: em, ddim, dpmpp2m; edm: heun, euler
+    sample_sampler: Literal["em", "ddim", "dpmpp2m", "heun", "euler"] = "dpmpp2m"
     sample_steps: int = 30
     sample_clip: bool = True  # images: keep the denoised estimate in [-1, 1] while sampling
     threads: int | None = None  # torch intra-op threads; null keeps torch's default
@@ -210,7 +225,7 @@ def _check_ranges(cfg: Config) -> None:
         "train.sample_n": t.sample_n, "train.sample_steps": t.sample_steps, "data.resolution": d.resolution,
         "model.channels": m.channels, "model.hidden": m.hidden, "model.embed_dim": m.embed_dim,
         "model.patch_size": m.patch_size,
-        "model.ls_reduction": m.ls_reduction, "model.num_heads": m.num_heads,
+        "model.ls_reduction": m.ls_reduction, "model.num_heads": m.num_heads, "train.lr_ref_steps": t.lr_ref_steps,
     }
     dg = cfg.diagnostics
     intervals = {"diagnostics.grad_every": dg.grad_every, "diagnostics.probe_every": dg.probe_every,
@@ -227,6 +242,11 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     if not 0 < m.kappa <= 1:
         raise ConfigError(f"model.kappa: must be in (0, 1], got {m.kappa}")
+    if any(not 0 < s < 0.2887 for s in t.ema_sigma_rels):
+        raise ConfigError(f"train.ema_sigma_rels: each must be in (0, 0.2887) (EDM2 Eq. 126), got "
+                          f"{t.ema_sigma_rels}")
+    if t.phema_snapshot_every < 0:
+        raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {t.phema_snapshot_every}")
     if not 0 <= t.ema_decay < 1:
         raise ConfigError(f"train.ema_decay: must be in [0, 1), got {t.ema_decay}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
@@ -243,6 +263,13 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError("model.channel_mult: must list at least one level, e.g. [1, 2, 2]")
     if d.name == "folder" and not d.root:
         raise ConfigError("data.root: the folder dataset needs data.root=PATH/TO/IMAGES")
+    valid = {"vp": ("em", "ddim", "dpmpp2m"), "edm": ("heun", "euler")}[cfg.diffusion.kind]
+    if t.sample_sampler not in valid:
+        raise ConfigError(f"train.sample_sampler={t.sample_sampler} does not apply to diffusion.kind="
+                          f"{cfg.diffusion.kind}; choose one of {', '.join(valid)}")
+    df = cfg.diffusion
+    if df.sigma_data <= 0 or df.p_std <= 0 or not 0 < df.sigma_min < df.sigma_max or df.rho <= 0:
+        raise ConfigError("diffusion: need sigma_data > 0, p_std > 0, 0 < sigma_min < sigma_max and rho > 0")
     if not 0 < cfg.diffusion.t_eps < 1:
         raise ConfigError(f"diffusion.t_eps: must be in (0, 1), got {cfg.diffusion.t_eps}")
 

@@ -110,7 +110,7 @@ class ProbeBatch:
         idx = torch.randperm(len(ds), generator=g)[:size]
         x0 = ds.data[idx].clone()
         labels = ds.labels[idx].clone() if (ds.labels is not None and trainer.cfg.model.num_classes) else None
-        t = trainer.sde.t_eps + (1 - trainer.sde.t_eps) * torch.rand(len(idx), generator=g)
+        t = trainer.diffusion.sample_t(len(idx), generator=g, device="cpu")
         noise = torch.randn(x0.shape, generator=g)
         return cls(x0, t, noise, labels)
 
@@ -178,7 +178,7 @@ class ProbeMonitor(Monitor):
         self.probe = probe
 
     def after_step(self, trainer, step: int) -> dict[str, float]:
-        loss, feats, skips = probe_forward(trainer.model, trainer.sde, self.probe)
+        loss, feats, skips = probe_forward(trainer.model, trainer.diffusion, self.probe)
         out = {"probe/loss": float(loss.mean())}
         out.update(_norm_stats("probe/feat", feats))
         out.update(_norm_stats("probe/skip", skips))
@@ -207,7 +207,7 @@ class MagnitudeMonitor(Monitor):
         was_training = model.training
         model.eval()
         try:
-            trainer.sde.loss(model, self.probe.x0, self.probe.labels, t=self.probe.t, noise=self.probe.noise)
+            trainer.diffusion.loss(model, self.probe.x0, self.probe.labels, t=self.probe.t, noise=self.probe.noise)
         finally:
             for h in handles:
                 h.remove()

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from ..config import Config, config_from_dict
+from ..config import Config
 from ..utils.io import atomic_write, atomic_write_text
 from .stats import oscillation_summary
 
@@ -44,17 +43,10 @@ def run_series(rows: list[dict[str, Any]], warmup: int) -> dict[str, list[float]
 
 def _load_run(run_dir: Path):
     from ..data import load_dataset
-    from ..diffusion import VPSDE
-    from ..nn import build_model
-    from ..train import find_weights, read_checkpoint
+    from ..train import load_run_model
 
-    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    ckpt = read_checkpoint(find_weights(run_dir))
-    shape = tuple(int(s) for s in ckpt.state["sample_shape"])
-    model = build_model(cfg.model, shape)
-    model.load_state_dict(ckpt.ema if ckpt.ema is not None else ckpt.model)
-    ds = load_dataset(cfg.data)
-    return cfg, model.eval(), VPSDE.from_config(cfg.diffusion), ds
+    cfg, model, formulation, _ = load_run_model(run_dir)
+    return cfg, model, formulation, load_dataset(cfg.data)
 
 
 def _fixed_batch(ds, n: int, seed: int = 0):
@@ -64,11 +56,15 @@ def _fixed_batch(ds, n: int, seed: int = 0):
     return ds.data[idx], labels
 
 
-def _sensitivity(model, sde, x0, labels, num_classes: int) -> dict[str, float]:
+def _sensitivity(model, sde, x0, labels, num_classes: int, method: str = "ratio") -> dict[str, float]:
+    """R(t) (finite perturbation ratio, whole batch) or the Jacobian spectral norm (power iteration, first 8
+    samples: it costs ~20 JVP/VJP pairs per t) at each t of SENSITIVITY_TS."""
     from .sensitivity import sensitivity_vs_t
 
     lab = labels if num_classes else None
-    res = sensitivity_vs_t(model, sde, x0, SENSITIVITY_TS, labels=lab, method="ratio",
+    if method == "jacobian":
+        x0, lab = x0[:8], None if lab is None else lab[:8]
+    res = sensitivity_vs_t(model, sde, x0, SENSITIVITY_TS, labels=lab, method=method,
                            generator=torch.Generator().manual_seed(0))
     return {f"{t:g}": float(v) for t, v in res.items()}
 
@@ -95,10 +91,13 @@ def diagnose_runs(run_dirs: list[Path], out_dir: Path, n_probe: int = 32, n_cons
                 "oscillation": oscillation_summary(run_series(rows, cfg.train.warmup_steps),
                                                    warmup=0),
                 "sensitivity_vs_t": _sensitivity(model, sde, x0, labels, cfg.model.num_classes),
+                "jacobian_norm_vs_t": None,
                 "final": {k: v for k, v in (rows[-1] if rows else {}).items() if k != "skip_coeffs"},
             }
+        # The Jacobian needs gradients (JVP/VJP), outside no_grad.
+        entry["jacobian_norm_vs_t"] = _sensitivity(model, sde, x0, labels, cfg.model.num_classes, "jacobian")
         report["runs"][name] = entry
-        samples[name] = generate(model, sde, ds.sample_shape, n_consistency, "ddim", 20, seed=0,
+        samples[name] = generate(model, sde, ds.sample_shape, n_consistency, sde.samplers[1], 20, seed=0,
                                  num_classes=cfg.model.num_classes)
     names = list(samples)
     if len(names) > 1:
@@ -114,19 +113,20 @@ def diagnose_runs(run_dirs: list[Path], out_dir: Path, n_probe: int = 32, n_cons
 def diagnose_at_init(cfg: Config, out_dir: Path, n_samples: int = 256) -> dict:
     """Init-time checks without training: ScaleLong's theory fit and input sensitivity vs t."""
     from ..data import load_dataset
-    from ..diffusion import VPSDE
+    from ..diffusion import build_formulation
     from ..nn import build_model
     from .theory import theory_fit
 
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
     ds = load_dataset(cfg.data)
-    model = build_model(cfg.model, ds.sample_shape).eval()
-    sde = VPSDE.from_config(cfg.diffusion)
+    sde = build_formulation(cfg.diffusion)
+    model = sde.wrap(build_model(cfg.model, ds.sample_shape)).eval()
     x0, labels = _fixed_batch(ds, 32)
     report: dict[str, Any] = {"at_init": True, "config": cfg.to_dict()}
     with torch.no_grad():
         report["sensitivity_vs_t"] = _sensitivity(model, sde, x0, labels, cfg.model.num_classes)
+    report["jacobian_norm_vs_t"] = _sensitivity(model, sde, x0, labels, cfg.model.num_classes, "jacobian")
     try:
         report["theory"] = theory_fit(model, sde, [x0], n_samples, torch.Generator().manual_seed(0))
     except NotImplementedError as e:
@@ -156,10 +156,15 @@ def write_report(report: dict, out_dir: Path) -> None:
                 lines.append(f"| {key} | " + " | ".join(_fmt(d.get(s, "")) for s in stats) + " |")
             lines.append("")
         sens = entry.get("sensitivity_vs_t", {})
+        jac = entry.get("jacobian_norm_vs_t") or {}
         if sens:
-            lines += ["Input sensitivity R(t) = ||f(x_t + d) - f(x_t)|| / ||d||:", "",
+            lines += ["Input sensitivity: R(t) = ||f(x_t + d) - f(x_t)|| / ||d|| (||d|| = 1% of ||x_t||) and the "
+                      "Jacobian spectral norm ||df/dx_t||_2 (power iteration):", "",
                       "| t | " + " | ".join(sens) + " |", "|---" * (len(sens) + 1) + "|",
-                      "| R | " + " | ".join(_fmt(v) for v in sens.values()) + " |", ""]
+                      "| R | " + " | ".join(_fmt(v) for v in sens.values()) + " |"]
+            if jac:
+                lines.append("| Jacobian | " + " | ".join(_fmt(jac.get(t, "")) for t in sens) + " |")
+            lines.append("")
         theory = entry.get("theory")
         if theory:
             lines += ["ScaleLong theory check (||h_i||^2 ~ a ||x_t||^2 S_i + b at init): "
@@ -205,15 +210,16 @@ def plot_runs(curves: dict[str, list[dict[str, Any]]], report: dict, out_dir: Pa
         ax.set_title("gradient norm")
         ax.legend(fontsize=7)
         save(fig, "grad_norm.png")
-    sens = {n: e["sensitivity_vs_t"] for n, e in report["runs"].items() if e.get("sensitivity_vs_t")}
-    if sens:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        for name, d in sens.items():
-            ax.plot([float(t) for t in d], list(d.values()), marker="o", label=name)
-        ax.set_xlabel("t")
-        ax.set_ylabel("R(t)")
-        ax.set_title("input sensitivity")
-        ax.legend(fontsize=7)
+    if any(e.get("sensitivity_vs_t") for e in report["runs"].values()):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+        for ax, key, title in zip(axes, ("sensitivity_vs_t", "jacobian_norm_vs_t"),
+                                  ("perturbation ratio R(t)", "Jacobian spectral norm")):
+            for name, e in report["runs"].items():
+                d = e.get(key) or {}
+                ax.plot([float(t) for t in d], list(d.values()), marker="o", label=name)
+            ax.set_xlabel("t")
+            ax.set_title(title)
+        axes[0].legend(fontsize=7)
         save(fig, "sensitivity.png")
     mags = {}
     for name, rows in curves.items():  # the last logged magnitudes of each run

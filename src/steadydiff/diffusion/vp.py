@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from steadydiff.config import DiffusionConfig
 
@@ -82,6 +82,8 @@ class VPSDE:
 
     T: float = 1.0
     time_scale: float = 999.0  # the network sees 999 t (U-ViT convention)
+    kind = "vp"
+    samplers = ("em", "ddim", "dpmpp2m")
 
     def __init__(self, beta_min: float = 0.1, beta_max: float = 20.0, t_eps: float = 1e-5):
         if beta_min < 0 or beta_max < beta_min:
@@ -99,7 +101,7 @@ class VPSDE:
     @classmethod
     def from_config(cls, cfg: DiffusionConfig) -> VPSDE:
         if cfg.kind != "vp":
-            raise ValueError(f"diffusion.kind: {cfg.kind!r} is not supported; choose vp")
+            raise ValueError(f"VPSDE.from_config needs diffusion.kind=vp, got {cfg.kind!r}")
         return cls(beta_min=cfg.beta_min, beta_max=cfg.beta_max, t_eps=cfg.t_eps)
 
     def __repr__(self) -> str:
@@ -161,6 +163,24 @@ class VPSDE:
     def model_time(self, t: Tensor) -> Tensor:
         """The time the network sees: 999 t."""
         return self.time_scale * t
+
+    def wrap(self, net: nn.Module) -> nn.Module:
+        """The trained module: the backbone itself (it predicts eps directly)."""
+        return net
+
+    def generate(self, model: Model, x_T: Tensor, sampler: str, steps: int, labels: Tensor | None = None,
+                 generator: torch.Generator | None = None, clip: bool = False) -> Tensor:
+        """Samples from x_T ~ N(0, I) with one of `samplers`; `clip` keeps x0_hat in [-1, 1] (images)."""
+        from .samplers import clip_denoised, sample
+
+        if sampler not in self.samplers:
+            raise ValueError(f"sampler {sampler!r} does not apply to diffusion.kind=vp; choose one of "
+                             f"{', '.join(self.samplers)}")
+
+        def eps_fn(x: Tensor, t: Tensor) -> Tensor:
+            return self.eps(model, x, t, labels)
+
+        return sample(sampler, clip_denoised(eps_fn, self, 1.0) if clip else eps_fn, self, x_T, steps, generator)
 
     def eps(self, model: Model, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
         """The network's noise prediction eps_hat(x, t) = model(x, 999 t, labels)."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torch import nn
 
 from ..config import ModelConfig
+from .edm2_unet import EDM2UNet
 from .mlp_unet import MLPUNet
 from .skip_scaling import (
     SKIP_SCALING_METHODS,
@@ -55,9 +56,20 @@ def _uvit(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
     )
 
 
+def _edm2_unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
+    if len(sample_shape) != 3 or sample_shape[1] != sample_shape[2]:
+        raise ValueError(f"model.backbone=edm2 needs square images (C, H, W), got samples of shape {sample_shape}")
+    return EDM2UNet(
+        img_resolution=sample_shape[1], img_channels=sample_shape[0], label_dim=cfg.num_classes,
+        model_channels=cfg.channels, channel_mult=cfg.channel_mult, num_blocks=cfg.num_res_blocks,
+        attn_resolutions=cfg.attn_resolutions, channels_per_head=cfg.channels_per_head, dropout=cfg.dropout,
+    )
+
+
 BACKBONES: dict[str, Callable[[ModelConfig, tuple[int, ...]], nn.Module]] = {
     "unet": _unet,
     "uvit": _uvit,
+    "edm2": _edm2_unet,
     "mlp_unet": _mlp_unet,
 }
 
@@ -77,6 +89,6 @@ def build_model(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
 
 
 __all__ = [
-    "BACKBONES", "SKIP_SCALING_METHODS", "ChannelGate", "ConstantScaling", "LearnedScaling", "MLPUNet",
+    "BACKBONES", "EDM2UNet", "SKIP_SCALING_METHODS", "ChannelGate", "ConstantScaling", "LearnedScaling", "MLPUNet",
     "SkipScaling", "TokenGate", "UNet", "UViT", "build_model", "cs_coefficients", "make_skip_scaling",
 ]

@@ -86,6 +86,7 @@ class PatchEmbed(nn.Module):
 
 class UViT(nn.Module):
     skip_gate = TokenGate  # LS in the official code gates tokens (mean over the embedding dim)
+    edm_noise_scale = 250.0  # see UNet.edm_noise_scale
 
     def __init__(
         self,

@@ -34,13 +34,14 @@ from ..diagnostics.monitors import (
     ProbeMonitor,
     UpdateRatioMonitor,
 )
-from ..diffusion import VPSDE, clip_denoised, sample
+from ..diffusion import build_formulation
 from ..nn import build_model
 from ..utils.images import save_samples
 from ..utils.io import atomic_write, atomic_write_text
 from .checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint
 from .ema import EMA
-from .schedules import WarmupConstant
+from .phema import PowerEMA
+from .schedules import build_lr_schedule
 
 
 class NonFiniteLossError(RuntimeError):
@@ -56,7 +57,7 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.sample_every",
     "train.sample_n", "train.sample_sampler", "train.sample_steps", "train.sample_clip", "train.threads",
     "train.device",
-    "train.fault_nan_at_step",
+    "train.fault_nan_at_step", "train.phema_snapshot_every",
 }
 
 
@@ -127,13 +128,17 @@ class Trainer:
                 f"classes; set model.num_classes={self.dataset.num_classes} or 0 (unconditional)"
             )
         torch.manual_seed(t.seed)
-        self.model = (model if model is not None else build_model(cfg.model, self.dataset.sample_shape)).to(self.device)
-        self.sde = VPSDE.from_config(cfg.diffusion)
-        self.lr_schedule = WarmupConstant(t.warmup_steps)
+        self.diffusion = build_formulation(cfg.diffusion)
+        net = model if model is not None else build_model(cfg.model, self.dataset.sample_shape)
+        # The trained module: the backbone (VP) or the EDM preconditioner holding it and u(sigma).
+        self.model = self.diffusion.wrap(net).to(self.device)
+        self.lr_schedule = build_lr_schedule(t)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
         )
         self.ema = EMA(self.model, t.ema_decay, t.ema_warmup)
+        # EDM2 power-function EMAs (post-hoc EMA): parameter averages only, never forwarded in training mode.
+        self.power_ema = PowerEMA(self.model, t.ema_sigma_rels) if t.ema_sigma_rels else None
         self.step = 0
         self._resume()
         self.monitors: list[Monitor] | None = None  # built in fit(): the probe batch lives in the run dir
@@ -179,6 +184,8 @@ class Trainer:
             self.ema.model.load_state_dict(ckpt.ema)
         if "optimizer" in ckpt.state:  # absent in converted checkpoints: fine-tuning starts a fresh optimiser
             self.optimizer.load_state_dict(ckpt.state["optimizer"])
+        if self.power_ema is not None and "power_ema" in ckpt.state:
+            self.power_ema.load_state_dict(ckpt.state["power_ema"])
         self.step = ckpt.step
 
     def _truncate_metrics(self) -> None:
@@ -219,7 +226,7 @@ class Trainer:
         for m in range(t.grad_accum):
             sl = slice(m * micro, (m + 1) * micro)
             with self._autocast():
-                loss = self.sde.loss(self.model, x[sl], None if labels is None else labels[sl], generator=gen)
+                loss = self.diffusion.loss(self.model, x[sl], None if labels is None else labels[sl], generator=gen)
                 loss = loss.float().mean()
             if t.fault_nan_at_step is not None and k == t.fault_nan_at_step:
                 loss = loss * float("nan")
@@ -242,6 +249,8 @@ class Trainer:
         self.optimizer.step()
         self.ema.update(self.model, k)
         self.step = k + 1
+        if self.power_ema is not None:
+            self.power_ema.update(self.model, self.step)
         for m in due:
             diag.update(m.after_step(self, self.step))
         return StepResult(loss_value, grad_norm, diag)
@@ -253,6 +262,8 @@ class Trainer:
         state = {"optimizer": self.optimizer.state_dict(), "config": dump_config(self.cfg),
                  "data_position": self.step * self.cfg.train.batch_size,
                  "sample_shape": list(self.dataset.sample_shape)}
+        if self.power_ema is not None:
+            state["power_ema"] = self.power_ema.state_dict()
         return save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(), self.ema.model.state_dict(),
                                state, keep=self.cfg.train.keep_ckpts)
 
@@ -271,7 +282,7 @@ class Trainer:
     @torch.no_grad()
     def sample(self, n: int, sampler: str, steps: int, seed: int, use_ema: bool = True) -> torch.Tensor:
         model = self.ema.model if use_ema else self.model
-        return generate(model, self.sde, self.dataset.sample_shape, n, sampler, steps, seed, self.device,
+        return generate(model, self.diffusion, self.dataset.sample_shape, n, sampler, steps, seed, self.device,
                         self.cfg.model.num_classes, clip=self.cfg.train.sample_clip)
 
     def _write_samples(self) -> None:
@@ -323,6 +334,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}")
                     window.clear()
                     t0, n_img = time.perf_counter(), 0
+                if self.power_ema is not None and self.step % (t.phema_snapshot_every or t.ckpt_every) == 0:
+                    sd = self.model.state_dict()  # persistent buffers only: what load_state_dict expects
+                    buffers = {k: b for k, b in self.model.named_buffers() if k in sd}
+                    self.power_ema.snapshot(self.run_dir / "phema", self.step, buffers)
                 if self.step % t.ckpt_every == 0 or self.step == t.steps:
                     self.save()
                     plot_curves(log_path, self.run_dir / "curves.png")
@@ -339,13 +354,13 @@ class Trainer:
 
 
 @torch.no_grad()
-def generate(model, sde, sample_shape, n: int, sampler: str, steps: int, seed: int,
+def generate(model, formulation, sample_shape, n: int, sampler: str, steps: int, seed: int,
              device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
              clip: bool = True) -> torch.Tensor:
-    """Draw `n` samples with one of the samplers; labels cycle 0..num_classes-1 for conditional models.
+    """Draw `n` samples with one of the formulation's samplers; labels cycle 0..num_classes-1.
 
-    `clip`: for image data (in [-1, 1]) keep the denoised estimate in that range at every step
-    (`clip_denoised`); points (toy2d) are never clipped.
+    `clip`: for image data (in [-1, 1]) keep the denoised estimate in that range at every step; points
+    (toy2d) are never clipped. Samples are a pure function of `seed`.
     """
     model.eval()
     out = []
@@ -354,14 +369,28 @@ def generate(model, sde, sample_shape, n: int, sampler: str, steps: int, seed: i
         b = min(batch, n - start)
         x_T = torch.randn((b, *sample_shape), generator=g, device=device)
         labels = (torch.arange(start, start + b, device=device) % num_classes) if num_classes else None
-
-        def eps_fn(x, t, labels=labels):
-            return sde.eps(model, x, t, labels)
-
-        if clip and len(sample_shape) == 3:
-            eps_fn = clip_denoised(eps_fn, sde, 1.0)
-        out.append(sample(sampler, eps_fn, sde, x_T, steps, generator=g).float().cpu())
+        x = formulation.generate(model, x_T, sampler, steps, labels, generator=g,
+                                 clip=clip and len(sample_shape) == 3)
+        out.append(x.float().cpu())
     return torch.cat(out)
+
+
+def load_run_model(run: str | Path, use_ema: bool = True):
+    """(config, trained module with weights loaded, formulation, checkpoint) of a run directory, or of a
+    directory holding `config.yaml` and `model.safetensors` (e.g. `steadydiff phema` output)."""
+    from .checkpoint import find_weights
+
+    run = Path(run)
+    cfg_file = run / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{run} is not a steadydiff run directory (no config.yaml); pass the --out of a train run")
+    cfg = config_from_dict(yaml.safe_load(cfg_file.read_text()))
+    ckpt = read_checkpoint(find_weights(run))
+    formulation = build_formulation(cfg.diffusion)
+    shape = tuple(int(s) for s in ckpt.state["sample_shape"])
+    model = formulation.wrap(build_model(cfg.model, shape))
+    model.load_state_dict(ckpt.ema if use_ema and ckpt.ema is not None else ckpt.model)
+    return cfg, model.eval(), formulation, ckpt
 
 
 def plot_curves(metrics_path: Path, out_path: Path) -> None:
