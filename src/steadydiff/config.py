@@ -85,6 +85,14 @@ class TrainConfig:
     warmup_steps: int = 100
     lr_schedule: Literal["constant", "cosine", "inv_sqrt"] = "constant"
     lr_ref_steps: int = 35000  # inv_sqrt: t_ref, the step where the 1/sqrt decay starts (EDM2)
+    timesteps: Literal["base", "clts"] = "base"  # base: uniform t (vp) / log-normal sigma (edm)
+    clts_mu: float = 0.3  # CLTS Gaussian centre on the normalised noise level (paper's best)
+    clts_sigma: float = 0.2  # CLTS Gaussian width: not known from the paper, sweep it
+    clts_steps: int | None = None  # CLTS curriculum length K_c (null: train.steps)
+    clts_importance: bool = False  # weight losses by base/p_k (keeps the expected loss unchanged)
+    momentum: Literal["constant", "mdlrc", "momentum_decay_only", "lr_decay_only"] = "constant"
+    momentum_steps: int | None = None  # MDLRC horizon K_m (null: train.steps)
+    momentum_beta_end: float = 0.0  # floor of the decayed beta1
     ema_sigma_rels: list[float] = field(default_factory=list)  # power-function EMAs to track, e.g. [0.05, 0.10]
     phema_snapshot_every: int = 0  # steps between post-hoc EMA snapshots (0: only with checkpoints)
     grad_clip: float | None = 1.0  # max global grad norm; null disables
@@ -245,6 +253,13 @@ def _check_ranges(cfg: Config) -> None:
     if any(not 0 < s < 0.2887 for s in t.ema_sigma_rels):
         raise ConfigError(f"train.ema_sigma_rels: each must be in (0, 0.2887) (EDM2 Eq. 126), got "
                           f"{t.ema_sigma_rels}")
+    if not 0 < t.clts_sigma or not 0 <= t.clts_mu <= 1:
+        raise ConfigError(f"train.clts_mu must be in [0, 1] and train.clts_sigma > 0, got {t.clts_mu}, {t.clts_sigma}")
+    for key, v in {"train.clts_steps": t.clts_steps, "train.momentum_steps": t.momentum_steps}.items():
+        if v is not None and v <= 0:
+            raise ConfigError(f"{key}: must be > 0 or null, got {v}")
+    if not 0 <= t.momentum_beta_end <= t.betas[0]:
+        raise ConfigError(f"train.momentum_beta_end must be in [0, betas[0]], got {t.momentum_beta_end}")
     if t.phema_snapshot_every < 0:
         raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {t.phema_snapshot_every}")
     if not 0 <= t.ema_decay < 1:

@@ -40,8 +40,10 @@ from ..utils.images import save_samples
 from ..utils.io import atomic_write, atomic_write_text
 from .checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint
 from .ema import EMA
+from .momentum import build_momentum
 from .phema import PowerEMA
 from .schedules import build_lr_schedule
+from .timesteps import build_timesteps, level_histogram
 
 
 class NonFiniteLossError(RuntimeError):
@@ -99,6 +101,7 @@ class StepResult:
     loss: float
     grad_norm: float
     diagnostics: dict[str, float] = field(default_factory=dict)
+    levels: torch.Tensor | None = None  # the noise levels s drawn this step
 
 
 class Trainer:
@@ -133,6 +136,8 @@ class Trainer:
         # The trained module: the backbone (VP) or the EDM preconditioner holding it and u(sigma).
         self.model = self.diffusion.wrap(net).to(self.device)
         self.lr_schedule = build_lr_schedule(t)
+        self.momentum = build_momentum(cfg)  # beta1 and LR factor per step (MDLRC and its controls)
+        self.timesteps = build_timesteps(cfg, self.diffusion)  # noise-level sampler (base or CLTS)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
         )
@@ -209,9 +214,11 @@ class Trainer:
     def train_step(self) -> StepResult:
         t, k = self.cfg.train, self.step
         self.model.train()
-        lr = t.lr * self.lr_schedule(k)
+        lr = t.lr * self.lr_schedule(k) * self.momentum.lr_factor(k)
+        beta1 = self.momentum.beta1(k)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            group["betas"] = (beta1, t.betas[1])
         torch.manual_seed(t.seed * 1_000_003 + k)  # dropout and any other global-RNG draw
         gen = step_generator(t.seed, k, stream=0, device=self.device)
         flip_gen = step_generator(t.seed, k, stream=1)
@@ -220,14 +227,17 @@ class Trainer:
         x = x.to(self.device, non_blocking=True)
         labels = labels.to(self.device) if (labels is not None and self.cfg.model.num_classes) else None
 
+        levels = self.timesteps.sample(t.batch_size, k, gen, self.device)
+        weights = self.timesteps.weights(levels, k)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         micro = t.batch_size // t.grad_accum
         for m in range(t.grad_accum):
             sl = slice(m * micro, (m + 1) * micro)
             with self._autocast():
-                loss = self.diffusion.loss(self.model, x[sl], None if labels is None else labels[sl], generator=gen)
-                loss = loss.float().mean()
+                loss = self.diffusion.loss(self.model, x[sl], None if labels is None else labels[sl],
+                                           t=levels[sl], generator=gen).float()
+                loss = (loss if weights is None else loss * weights[sl]).mean()
             if t.fault_nan_at_step is not None and k == t.fault_nan_at_step:
                 loss = loss * float("nan")
             (loss / t.grad_accum).backward()
@@ -253,7 +263,7 @@ class Trainer:
             self.power_ema.update(self.model, self.step)
         for m in due:
             diag.update(m.after_step(self, self.step))
-        return StepResult(loss_value, grad_norm, diag)
+        return StepResult(loss_value, grad_norm, diag, levels)
 
     # ---------------------------------------------------------------------------------------------
     # outputs
@@ -321,6 +331,8 @@ class Trainer:
                         "loss": sum(r.loss for r in window) / len(window),
                         "grad_norm": sum(r.grad_norm for r in window) / len(window),
                         "lr": self.optimizer.param_groups[0]["lr"],
+                        "beta1": self.optimizer.param_groups[0]["betas"][0],
+                        "level_hist": level_histogram([r.levels for r in window if r.levels is not None]),
                         "images_per_sec": n_img / dt if dt > 0 else float("nan"),
                     }
                     scaling = getattr(self.model, "skip_scaling", None)
