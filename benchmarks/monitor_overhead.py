@@ -101,7 +101,8 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     lines = ["# Monitor overhead", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
              f"- machine: {meta['machine']}", f"- {meta['config']}; medians of {args.rounds} interleaved rounds of "
-             f"{args.block}-step blocks", "", "| arm | ms/step | overhead vs off (wall) | time inside monitors, ms/step | = fraction of a step |",
+             f"{args.block}-step blocks", "",
+             "| arm | ms/step | overhead vs off (wall) | time inside monitors, ms/step | = fraction of a step |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['arm']} | {r['ms_per_step']:.0f} | {r['overhead'] * 100:+.1f}% | {r['monitor_ms_per_step']:.2f} | "
               f"{r['monitor_fraction'] * 100:.2f}% |" for r in rows]
