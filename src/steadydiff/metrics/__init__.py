@@ -1,5 +1,23 @@
-"""Sample-quality metrics."""
+"""Sample-quality metrics: distances between sets of samples or feature vectors."""
 
-from .distances import sliced_wasserstein
+from .distances import (
+    DEFAULT_RBF_BANDWIDTHS,
+    fd_from_features,
+    frechet_distance,
+    gaussian_stats,
+    kid,
+    mmd_rbf,
+    precision_recall,
+    sliced_wasserstein,
+)
 
-__all__ = ["sliced_wasserstein"]
+__all__ = [
+    "DEFAULT_RBF_BANDWIDTHS",
+    "fd_from_features",
+    "frechet_distance",
+    "gaussian_stats",
+    "kid",
+    "mmd_rbf",
+    "precision_recall",
+    "sliced_wasserstein",
+]
