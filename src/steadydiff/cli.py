@@ -54,7 +54,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     x = generate(model.to(device), formulation, shape, args.n, sampler, args.steps, args.seed, device,
                  cfg.model.num_classes, clip=not args.no_clip)
     save_samples(x, out)
-    kind = "raw" if args.no_ema or ckpt.ema is None else "EMA"
+    kind = "EMA" if not args.no_ema and ckpt.ema is not None else "post-hoc EMA" if "phema" in ckpt.state else "raw"
     print(f"wrote {args.n} samples (step {ckpt.step}, {kind} weights, {sampler}) to {out}")
     return 0
 

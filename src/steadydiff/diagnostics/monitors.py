@@ -33,13 +33,16 @@ def block_groups(model: nn.Module) -> OrderedDict[str, list[nn.Parameter]]:
     """Parameters grouped by block: children of top-level ModuleLists count as blocks (`down.3`,
     `out_blocks.0`), other top-level children are one block each (`embed`, `mid`, `out`)."""
     groups: OrderedDict[str, list[nn.Parameter]] = OrderedDict()
+    # Wrappers (EDM preconditioning, the diffusers adapter) hold the backbone as one child: look inside it.
+    wrapped = {n for n in ("net", "unet") if isinstance(getattr(model, n, None), nn.Module)}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         parts = name.split(".")
-        top = model.get_submodule(parts[0]) if len(parts) > 1 else None
-        key = ".".join(parts[:2]) if isinstance(top, nn.ModuleList | nn.ModuleDict) else parts[0]
-        groups.setdefault(key, []).append(p)
+        base, root = (1, model.get_submodule(parts[0])) if parts[0] in wrapped and len(parts) > 2 else (0, model)
+        top = root.get_submodule(parts[base]) if len(parts) > base + 1 else None
+        depth = base + (2 if isinstance(top, nn.ModuleList | nn.ModuleDict) else 1)
+        groups.setdefault(".".join(parts[:depth]), []).append(p)
     return groups
 
 
