@@ -102,9 +102,10 @@ def test_the_optimiser_uses_the_scheduled_beta1(tmp_path):
     assert tr.momentum.beta1(5) == 0.0
 
 
-def test_resume_continues_both_schedules_exactly(tmp_path):
+@pytest.mark.parametrize("formulation", [[], ["diffusion.kind=edm", "train.sample_sampler=euler"]])
+def test_resume_continues_both_schedules_exactly(tmp_path, formulation):
     extra = ["train.timesteps=clts", "train.clts_steps=12", "train.momentum=mdlrc", "train.momentum_steps=12",
-             "train.clts_importance=true"]
+             "train.clts_importance=true", *formulation]
     Trainer(load_config(None, TOY + extra + ["train.steps=16"]), tmp_path / "full", show_progress=False).fit()
     Trainer(load_config(None, TOY + extra + ["train.steps=8", "train.ckpt_every=8"]), tmp_path / "split",
             show_progress=False).fit()
