@@ -262,11 +262,11 @@ def test_mmd_rbf_same_vs_shifted_toy2d():
     from steadydiff.data import make_toy2d
 
     for kind in ("8gaussians", "checkerboard"):
-        x, y = make_toy2d(kind, 1500, seed=0), make_toy2d(kind, 1500, seed=1)
-        same = mmd_rbf(x, y)
-        shifted = mmd_rbf(x, y + 0.3)
+        x, y = make_toy2d(kind, 1000, seed=0), make_toy2d(kind, 1000, seed=1)
+        same = mmd_rbf(x, y)  # |same| <~ 4e-3 over seeds 1-3 for both kinds; shifted >= 0.12
+        shifted = mmd_rbf(x, y + 0.5)
         assert abs(same) < 0.05 * shifted, (kind, same, shifted)
-        assert shifted > 0.01
+        assert shifted > 0.05
     with pytest.raises(ValueError):
         mmd_rbf(x, y, bandwidths=(0.0,))
 
@@ -328,6 +328,7 @@ def _to_uint8_rgb(x: torch.Tensor) -> torch.Tensor:
     return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
 
 
+@pytest.mark.filterwarnings("ignore:Metric `Kernel Inception Distance` will save all extracted features")
 def test_fd_and_kid_match_torchmetrics(fmnist):
     pytest.importorskip("torchmetrics", reason="torchmetrics (dev-only oracle) is not installed")
     from torchmetrics.image.fid import FrechetInceptionDistance

@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample | convert | diagnose | phema.
+"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
 `steadydiff: error: ...` that names the fix, and a non-zero exit status.
@@ -56,6 +56,37 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     save_samples(x, out)
     kind = "EMA" if not args.no_ema and ckpt.ema is not None else "post-hoc EMA" if "phema" in ckpt.state else "raw"
     print(f"wrote {args.n} samples (step {ckpt.step}, {kind} weights, {sampler}) to {out}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .data import load_dataset
+    from .metrics.evaluate import evaluate, parse_metrics
+    from .train import load_run_model
+    from .train.loop import pick_device
+    from .utils.io import atomic_write_text
+
+    cfg, model, formulation, ckpt = load_run_model(args.run, use_ema=not args.no_ema)
+    metrics = parse_metrics(args.metric)
+    sampler = args.sampler or cfg.train.sample_sampler
+    if sampler not in formulation.samplers:
+        raise ConfigError(f"--sampler {sampler} does not apply to diffusion.kind={formulation.kind}; choose one of "
+                          f"{', '.join(formulation.samplers)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    dataset = load_dataset(cfg.data)
+    res = evaluate(model.to(device), formulation, cfg, dataset, metrics, args.n, sampler, args.steps, args.seed,
+                   device, clip=not args.no_clip)
+    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
+    record = {"step": ckpt.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
+              "weights": "raw" if args.no_ema else "ema", "metrics": res}
+    atomic_write_text(out, json.dumps(record, indent=2) + "\n")
+    print(" ".join(f"{k}={v:.5g}" for k, v in res.items()) + f"  -> {out}")
     return 0
 
 
@@ -179,6 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--threads", type=int, default=None)
     s.set_defaults(func=_cmd_sample)
+
+    e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, sw, mmd)")
+    e.add_argument("run", help="run directory (or a phema output directory)")
+    e.add_argument("--metric", default="fd_fmnist", help="comma-separated metrics, e.g. fd_fmnist,kid,fid")
+    e.add_argument("--n", type=int, default=5000, help="number of samples")
+    e.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m", "heun", "euler"])
+    e.add_argument("--steps", type=int, default=50)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--no-ema", action="store_true")
+    e.add_argument("--no-clip", action="store_true")
+    e.add_argument("--out", help="JSON file (default RUN/eval.json)")
+    e.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    e.add_argument("--threads", type=int, default=None)
+    e.set_defaults(func=_cmd_eval)
 
     c = sub.add_parser("convert", help="convert checkpoints from/to the official U-ViT/ScaleLong layout")
     c.add_argument("kind", choices=["uvit-official", "to-uvit-official"],

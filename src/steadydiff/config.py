@@ -111,6 +111,9 @@ class TrainConfig:
     sample_sampler: Literal["em", "ddim", "dpmpp2m", "heun", "euler"] = "dpmpp2m"
     sample_steps: int = 30
     sample_clip: bool = True  # images: keep the denoised estimate in [-1, 1] while sampling
+    eval_every: int = 0  # steps between quick evals written as eval/<metric> to metrics.jsonl (0: off)
+    eval_metrics: list[str] = field(default_factory=list)  # e.g. [fd_fmnist] or [sw] (toy2d)
+    eval_n: int = 256  # samples per periodic eval
     threads: int | None = None  # torch intra-op threads; null keeps torch's default
     fault_nan_at_step: int | None = None  # testing: make the loss NaN at this step
 
@@ -260,6 +263,16 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be > 0 or null, got {v}")
     if not 0 <= t.momentum_beta_end <= t.betas[0]:
         raise ConfigError(f"train.momentum_beta_end must be in [0, betas[0]], got {t.momentum_beta_end}")
+    if t.eval_every < 0 or t.eval_n <= 0:
+        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_n > 0, got {t.eval_every}, {t.eval_n}")
+    if t.eval_every and not t.eval_metrics:
+        raise ConfigError("train.eval_every > 0 needs train.eval_metrics, e.g. [fd_fmnist] or [sw]")
+    if t.eval_metrics:
+        from .metrics.evaluate import METRICS
+
+        bad = [m for m in t.eval_metrics if m not in METRICS]
+        if bad:
+            raise ConfigError(f"train.eval_metrics: unknown metric {bad[0]!r}; choose from {', '.join(METRICS)}")
     if t.phema_snapshot_every < 0:
         raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {t.phema_snapshot_every}")
     if not 0 <= t.ema_decay < 1:

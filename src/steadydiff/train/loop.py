@@ -59,7 +59,8 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.sample_every",
     "train.sample_n", "train.sample_sampler", "train.sample_steps", "train.sample_clip", "train.threads",
     "train.device",
-    "train.fault_nan_at_step", "train.phema_snapshot_every",
+    "train.fault_nan_at_step", "train.phema_snapshot_every", "train.eval_every", "train.eval_metrics",
+    "train.eval_n",
 }
 
 
@@ -295,6 +296,15 @@ class Trainer:
         return generate(model, self.diffusion, self.dataset.sample_shape, n, sampler, steps, seed, self.device,
                         self.cfg.model.num_classes, clip=self.cfg.train.sample_clip)
 
+    def evaluate(self) -> dict[str, float]:
+        """Quick eval of the EMA weights (train.eval_metrics on train.eval_n samples), keys `eval/<metric>`."""
+        from ..metrics.evaluate import evaluate
+
+        t = self.cfg.train
+        res = evaluate(self.ema.model, self.diffusion, self.cfg, self.dataset, t.eval_metrics, t.eval_n,
+                       t.sample_sampler, t.sample_steps, seed=t.seed, device=self.device, clip=t.sample_clip)
+        return {f"eval/{k}": v for k, v in res.items()}
+
     def _write_samples(self) -> None:
         t = self.cfg.train
         x = self.sample(t.sample_n, t.sample_sampler, t.sample_steps, seed=t.seed)
@@ -355,6 +365,9 @@ class Trainer:
                     plot_curves(log_path, self.run_dir / "curves.png")
                 if t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
                     self._write_samples()
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    log.write(json.dumps({"step": self.step, **self.evaluate()}) + "\n")
+                    log.flush()
         bar.close()
         if tb is not None:
             tb.close()
