@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--n-fid", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--sampler", default="dpmpp2m")
+    ap.add_argument("--fid-ref-n", type=int, default=2000, help="training images for the FID reference stats")
     args = ap.parse_args()
 
     images = torch.rand(256, 1, 28, 28) * 2 - 1
@@ -49,11 +50,11 @@ def main() -> None:
     cfg, model, formulation, ckpt = load_run_model(args.run)
     dataset = load_dataset(cfg.data)
     evals = []
-    for metric, n in (("fd_fmnist", args.n_fd), ("fid", args.n_fid)):
+    for metric, n, ref_n in (("fd_fmnist", args.n_fd, None), ("fid", args.n_fid, args.fid_ref_n)):
         t0 = time.perf_counter()
-        res = evaluate(model, formulation, cfg, dataset, [metric], n, args.sampler, args.steps, seed=0)
+        res = evaluate(model, formulation, cfg, dataset, [metric], n, args.sampler, args.steps, seed=0, ref_n=ref_n)
         dt = time.perf_counter() - t0
-        evals.append({"metric": metric, "n": n, "value": res[metric], "seconds": dt})
+        evals.append({"metric": metric, "n": n, "ref_n": ref_n or len(dataset), "value": res[metric], "seconds": dt})
         print(f"{metric} n={n}: {res[metric]:.4g} in {dt:.0f} s", flush=True)
 
     meta = {
@@ -70,8 +71,9 @@ def main() -> None:
              f"- machine: {meta['machine']}", f"- model: {args.run} at step {ckpt.step}; {meta['sampler']}", "",
              "| extractor | dim | images/s (28x28 input, batch 64) |", "|---|---|---|"]
     lines += [f"| {r['extractor']} | {r['dim']} | {r['images_per_sec']:.1f} |" for r in rows]
-    lines += ["", "| eval | samples | value | wall time (sampling + features + distance) |", "|---|---|---|---|"]
-    lines += [f"| {e['metric']} | {e['n']} | {e['value']:.4g} | {e['seconds']:.0f} s |" for e in evals]
+    lines += ["", "| eval | samples | reference images | value | wall time (sampling, features, reference stats "
+              "if not cached, distance) |", "|---|---|---|---|---|"]
+    lines += [f"| {e['metric']} | {e['n']} | {e['ref_n']} | {e['value']:.4g} | {e['seconds']:.0f} s |" for e in evals]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -30,14 +30,7 @@ from steadydiff.diffusion import VPSDE
 from steadydiff.nn import MLPUNet, UNet, UViT, cs_coefficients, make_skip_scaling
 from steadydiff.nn.skip_scaling import ConstantScaling
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a shared 2-core machine: one thread is as fast and does not contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------------------

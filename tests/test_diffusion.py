@@ -33,14 +33,8 @@ M, S = 0.7, 0.5
 T_VALUES = np.unique(np.concatenate([np.logspace(-5, 0, 41), np.linspace(0.01, 1.0, 34)]))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The sampler tests are many small elementwise ops (40k elements); on a shared 2-core machine OpenMP
-    threads contending with other processes make them ~30x slower, and one thread is as fast as two here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# The sampler tests are many small elementwise ops; on a shared 2-core machine one thread is as fast as two.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

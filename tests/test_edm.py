@@ -13,12 +13,7 @@ from steadydiff.train import InverseSqrt, WarmupConstant, WarmupCosine
 SD = 0.5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def edm(**kw):

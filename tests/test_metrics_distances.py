@@ -25,14 +25,7 @@ from steadydiff.metrics import (
     sliced_wasserstein,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small ops on a shared 2-core machine: one thread is as fast and does not contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _spd(rng: np.random.Generator, d: int) -> np.ndarray:

@@ -33,9 +33,7 @@ class MLPBlock(nn.Module):
 
 
 class MLPUNet(nn.Module):
-    # Under EDM the model time is c_noise = ln(sigma)/4 (~[-1.6, 1.1]); scaled by 250 it spans a range like
-    # VP's 0..999, for which the sinusoidal embedding is designed (see diffusion/edm.py EDMPrecond).
-    edm_noise_scale = 250.0
+    edm_noise_scale = 250.0  # see UNet.edm_noise_scale
 
     def __init__(
         self,
