@@ -84,7 +84,8 @@ def build_model(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
         raise ValueError(f"unknown model.backbone {cfg.backbone!r}; choose one of {', '.join(BACKBONES)}")
     model = BACKBONES[cfg.backbone](cfg, tuple(sample_shape))
     gate = getattr(model, "skip_gate", ChannelGate)
-    model.skip_scaling = make_skip_scaling(cfg.skip_scaling, model.skip_channels, cfg.kappa, cfg.ls_reduction, gate)
+    scaling = make_skip_scaling(cfg.skip_scaling, model.skip_channels, cfg.kappa, cfg.ls_reduction, gate)
+    model.attach_skip_scaling(scaling)
     return model
 
 

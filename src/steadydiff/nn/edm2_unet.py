@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .mp import MPAttention, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, pixel_norm
-from .skip_scaling import SkipScaling
+from .skip_scaling import LongSkips, SkipScaling
 
 __all__ = ["EDM2Block", "EDM2UNet"]
 
@@ -88,7 +88,7 @@ class EDM2Block(nn.Module):
         return f"{self.flavor}, {self.in_channels} -> {self.out_channels}, resample={self.resample}"
 
 
-class EDM2UNet(nn.Module):
+class EDM2UNet(LongSkips, nn.Module):
     """EDM2 config-G U-Net; `forward(x, c_noise, labels=None)` -> F (same shape as x).
 
     c_noise: (B,) (or one value for the whole batch), EDM's ln(sigma) / 4. labels: int64 class indices (B,)
@@ -167,13 +167,8 @@ class EDM2UNet(nn.Module):
         self.out_gain = nn.Parameter(torch.zeros([]))  # learned gain (Eq. 104), 0 => F = 0 at init
 
         self.skip_channels = skip_ch  # outermost first
-        if skip_scaling is not None and skip_scaling.num_skips != len(skip_ch):
-            raise ValueError(f"skip scaling built for {skip_scaling.num_skips} skips, this UNet has {len(skip_ch)}")
-        self.skip_scaling = skip_scaling
+        self.attach_skip_scaling(skip_scaling)
 
-    @property
-    def num_skips(self) -> int:
-        return len(self.skip_channels)
 
     def decoder_blocks(self) -> list[nn.Module]:
         """The skip-consuming decoder blocks, outermost first (block i consumes skip i)."""

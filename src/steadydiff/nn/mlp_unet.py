@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .layers import TimeEmbedding, zero_module
-from .skip_scaling import SkipScaling
+from .skip_scaling import LongSkips, SkipScaling
 
 
 class MLPBlock(nn.Module):
@@ -32,7 +32,7 @@ class MLPBlock(nn.Module):
         return h + self.fc2(self.dropout(F.silu(self.fc1(self.norm(h)) + self.emb(emb))))
 
 
-class MLPUNet(nn.Module):
+class MLPUNet(LongSkips, nn.Module):
     edm_noise_scale = 250.0  # see UNet.edm_noise_scale
 
     def __init__(
@@ -58,13 +58,8 @@ class MLPUNet(nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.out = zero_module(nn.Linear(hidden, dim))
         self.skip_channels = [hidden] * n
-        if skip_scaling is not None and skip_scaling.num_skips != n:
-            raise ValueError(f"skip scaling built for {skip_scaling.num_skips} skips, this MLP-UNet has {n}")
-        self.skip_scaling = skip_scaling
+        self.attach_skip_scaling(skip_scaling)
 
-    @property
-    def num_skips(self) -> int:
-        return len(self.skip_channels)
 
     def forward(self, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
         emb = self.embed(t, labels)

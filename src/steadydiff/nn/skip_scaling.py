@@ -63,6 +63,23 @@ class ConstantScaling(SkipScaling):
         return "coeffs=[" + ", ".join(f"{c:.4g}" for c in self.coeffs) + "]"
 
 
+class LongSkips:
+    """Mixin for backbones with long skips: they set `skip_channels` (gate width of each skip, outermost
+    first) and call `attach_skip_scaling`; the forward pass calls `self.skip_scaling(i, skip)` if set."""
+
+    skip_channels: list[int]
+
+    @property
+    def num_skips(self) -> int:
+        return len(self.skip_channels)
+
+    def attach_skip_scaling(self, scaling: SkipScaling | None) -> None:
+        if scaling is not None and scaling.num_skips != self.num_skips:
+            raise ValueError(f"skip scaling built for {scaling.num_skips} skips, {type(self).__name__} has "
+                             f"{self.num_skips}")
+        self.skip_scaling = scaling
+
+
 def cs_coefficients(num_skips: int, kappa: float) -> list[float]:
     """CS (ScaleLong Sec. 4): LSC i = 1..N (outermost first) gets kappa^(i-1)."""
     return [kappa**i for i in range(num_skips)]

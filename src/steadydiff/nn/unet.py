@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .layers import TimeEmbedding, group_norm, zero_module
-from .skip_scaling import SkipScaling
+from .skip_scaling import LongSkips, SkipScaling
 
 
 class ResBlock(nn.Module):
@@ -87,7 +87,7 @@ class Stage(nn.Sequential):
         return x
 
 
-class UNet(nn.Module):
+class UNet(LongSkips, nn.Module):
     # Under EDM the model time is c_noise = ln(sigma)/4 (~[-1.6, 1.1]); scaled by 250 it spans a range like
     # VP's 0..999, for which the sinusoidal embedding is designed (see diffusion/edm.py EDMPrecond).
     edm_noise_scale = 250.0
@@ -154,13 +154,8 @@ class UNet(nn.Module):
 
         self.out = nn.Sequential(group_norm(ch), nn.SiLU(), zero_module(nn.Conv2d(ch, in_channels, 3, padding=1)))
         self.skip_channels = skip_ch  # outermost first
-        if skip_scaling is not None and skip_scaling.num_skips != len(skip_ch):
-            raise ValueError(f"skip scaling built for {skip_scaling.num_skips} skips, this UNet has {len(skip_ch)}")
-        self.skip_scaling = skip_scaling
+        self.attach_skip_scaling(skip_scaling)
 
-    @property
-    def num_skips(self) -> int:
-        return len(self.skip_channels)
 
     def forward(self, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
         emb = self.embed(t, labels)

@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .layers import timestep_embedding
-from .skip_scaling import SkipScaling, TokenGate
+from .skip_scaling import LongSkips, SkipScaling, TokenGate
 
 
 class Attention(nn.Module):
@@ -84,7 +84,7 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)  # (B, H*W/p^2, D)
 
 
-class UViT(nn.Module):
+class UViT(LongSkips, nn.Module):
     skip_gate = TokenGate  # LS in the official code gates tokens (mean over the embedding dim)
     edm_noise_scale = 250.0  # see UNet.edm_noise_scale
 
@@ -133,7 +133,7 @@ class UViT(nn.Module):
         self._init_weights()
         # LS gates read whole token sequences: their width is the token count L.
         self.skip_channels = [self.extras + num_patches] * (depth // 2)
-        self.skip_scaling = skip_scaling
+        self.attach_skip_scaling(skip_scaling)
 
     def _init_weights(self) -> None:
         # U-ViT init: truncated normal (std 0.02) for Linear weights and the position embedding, zero biases.
@@ -147,9 +147,6 @@ class UViT(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    @property
-    def num_skips(self) -> int:
-        return len(self.out_blocks)
 
     def unpatchify(self, x: Tensor) -> Tensor:
         """(B, h*w, p*p*C) with per-patch (p1, p2, C) order -> (B, C, h*p, w*p)."""
