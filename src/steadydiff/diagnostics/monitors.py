@@ -75,13 +75,21 @@ class Monitor:
 class GradNormMonitor(Monitor):
     """Per-block gradient norms after backward, before clipping (`grad/total` equals the logged grad_norm)."""
 
+    _groups: OrderedDict[str, list[nn.Parameter]] | None = None
+
     def after_backward(self, trainer, step: int) -> dict[str, float]:
         if not self.due(step):
             return {}
-        out = {}
-        for key, params in block_groups(trainer.model).items():
-            out[f"grad/{key}"] = _norm([p.grad for p in params if p.grad is not None])
-        out["grad/total"] = math.sqrt(sum(v * v for v in out.values()))
+        if self._groups is None:  # the grouping never changes: compute it once, not every step
+            self._groups = block_groups(trainer.model)
+        per_block = []
+        for params in self._groups.values():
+            grads = [p.grad.detach().float() for p in params if p.grad is not None]
+            per_block.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                             if grads else torch.zeros((), device=params[0].device))
+        norms = torch.stack(per_block).tolist()  # one device-to-host transfer per step
+        out = {f"grad/{key}": v for key, v in zip(self._groups, norms)}
+        out["grad/total"] = math.sqrt(sum(v * v for v in norms))
         return out
 
 
