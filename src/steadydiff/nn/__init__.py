@@ -32,7 +32,7 @@ def _unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
     return UNet(
         in_channels=c, resolution=h, channels=cfg.channels, channel_mult=cfg.channel_mult,
         num_res_blocks=cfg.num_res_blocks, attn_resolutions=cfg.attn_resolutions, num_heads=cfg.num_heads,
-        dropout=cfg.dropout, num_classes=cfg.num_classes,
+        dropout=cfg.dropout, num_classes=cfg.num_classes, grad_checkpointing=cfg.grad_checkpointing,
     )
 
 
@@ -40,7 +40,7 @@ def _mlp_unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
     if len(sample_shape) != 1:
         raise ValueError(f"model.backbone=mlp_unet needs vector data (D,), got samples of shape {sample_shape}")
     return MLPUNet(dim=sample_shape[0], hidden=cfg.hidden, depth=cfg.depth, dropout=cfg.dropout,
-                   num_classes=cfg.num_classes)
+                   num_classes=cfg.num_classes, grad_checkpointing=cfg.grad_checkpointing)
 
 
 def _uvit(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
@@ -63,6 +63,7 @@ def _edm2_unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
         img_resolution=sample_shape[1], img_channels=sample_shape[0], label_dim=cfg.num_classes,
         model_channels=cfg.channels, channel_mult=cfg.channel_mult, num_blocks=cfg.num_res_blocks,
         attn_resolutions=cfg.attn_resolutions, channels_per_head=cfg.channels_per_head, dropout=cfg.dropout,
+        grad_checkpointing=cfg.grad_checkpointing,
     )
 
 

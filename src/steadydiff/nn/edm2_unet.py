@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .layers import run_block
 from .mp import MPAttention, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, pixel_norm
 from .skip_scaling import LongSkips, SkipScaling
 
@@ -113,8 +114,10 @@ class EDM2UNet(LongSkips, nn.Module):
         concat_balance: float = 0.5,
         dropout: float = 0.0,
         skip_scaling: SkipScaling | None = None,
+        grad_checkpointing: bool = False,
     ):
         super().__init__()
+        self.grad_checkpointing = grad_checkpointing  # recompute each block in backward (memory for compute)
         levels = len(channel_mult)
         if levels < 1 or img_resolution % (2 ** (levels - 1)):
             raise ValueError(f"img_resolution {img_resolution} is not divisible by 2^{levels - 1}")
@@ -194,8 +197,9 @@ class EDM2UNet(LongSkips, nn.Module):
         emb = self.embed(c_noise, labels, x.shape[0])
         h = self.conv_in(torch.cat([x, torch.ones_like(x[:, :1])], dim=1))
         skips = [h]
+        ckpt = self.grad_checkpointing
         for blk in self.enc:
-            h = blk(h, emb)
+            h = run_block(blk, h, emb, checkpoint=ckpt)
             skips.append(h)
         for blk in self.dec:
             if blk.consumes_skip:
@@ -204,5 +208,5 @@ class EDM2UNet(LongSkips, nn.Module):
                 if self.skip_scaling is not None:
                     s = self.skip_scaling(i, s)
                 h = mp_cat(h, s, t=self.concat_balance)  # Eq. 103, t = 0.5
-            h = blk(h, emb)
+            h = run_block(blk, h, emb, checkpoint=ckpt)
         return self.conv_out(h, gain=self.out_gain)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 
@@ -50,3 +51,12 @@ class TimeEmbedding(nn.Module):
                 raise ValueError("this model is class-conditional: pass labels (model.num_classes > 0)")
             emb = emb + self.label(labels)
         return emb
+
+
+def run_block(block: nn.Module, *args: Tensor | None, checkpoint: bool = False) -> Tensor:
+    """`block(*args)`; with `checkpoint` (in training, with gradients on) its activations are not stored but
+    recomputed in backward: less memory for ~one extra forward. Dropout masks are replayed exactly (the RNG
+    state is saved), so gradients match the plain call."""
+    if checkpoint and block.training and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+    return block(*args)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import TimeEmbedding, zero_module
+from .layers import TimeEmbedding, run_block, zero_module
 from .skip_scaling import LongSkips, SkipScaling
 
 
@@ -43,8 +43,10 @@ class MLPUNet(LongSkips, nn.Module):
         dropout: float = 0.0,
         num_classes: int = 0,
         skip_scaling: SkipScaling | None = None,
+        grad_checkpointing: bool = False,
     ):
         super().__init__()
+        self.grad_checkpointing = grad_checkpointing  # recompute each block in backward (memory for compute)
         if depth < 2:
             raise ValueError(f"depth must be >= 2 (depth // 2 encoder and decoder blocks), got {depth}")
         n = depth // 2
@@ -65,14 +67,15 @@ class MLPUNet(LongSkips, nn.Module):
         emb = self.embed(t, labels)
         h = self.inp(x)
         skips = []
+        ckpt = self.grad_checkpointing
         for block in self.down:
-            h = block(h, emb)
+            h = run_block(block, h, emb, checkpoint=ckpt)
             skips.append(h)
-        h = self.mid(h, emb)
+        h = run_block(self.mid, h, emb, checkpoint=ckpt)
         for fuse, block in zip(self.fuse, self.up):
             i = len(skips) - 1
             s = skips.pop()
             if self.skip_scaling is not None:
                 s = self.skip_scaling(i, s)
-            h = block(fuse(torch.cat([h, s], dim=-1)), emb)
+            h = run_block(block, fuse(torch.cat([h, s], dim=-1)), emb, checkpoint=ckpt)
         return self.out(self.norm(h))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import TimeEmbedding, group_norm, zero_module
+from .layers import TimeEmbedding, group_norm, run_block, zero_module
 from .skip_scaling import LongSkips, SkipScaling
 
 
@@ -104,8 +104,10 @@ class UNet(LongSkips, nn.Module):
         dropout: float = 0.0,
         num_classes: int = 0,
         skip_scaling: SkipScaling | None = None,
+        grad_checkpointing: bool = False,
     ):
         super().__init__()
+        self.grad_checkpointing = grad_checkpointing  # recompute each stage in backward (memory for compute)
         levels = len(channel_mult)
         if resolution % (2 ** (levels - 1)):
             raise ValueError(
@@ -161,14 +163,15 @@ class UNet(LongSkips, nn.Module):
         emb = self.embed(t, labels)
         h = self.conv_in(x)
         skips = [h]
+        ckpt = self.grad_checkpointing
         for stage in self.down:
-            h = stage(h, emb)
+            h = run_block(stage, h, emb, checkpoint=ckpt)
             skips.append(h)
-        h = self.mid(h, emb)
+        h = run_block(self.mid, h, emb, checkpoint=ckpt)
         for stage in self.up:
             i = len(skips) - 1  # the innermost remaining skip; index 0 is the outermost
             s = skips.pop()
             if self.skip_scaling is not None:
                 s = self.skip_scaling(i, s)
-            h = stage(torch.cat([h, s], dim=1), emb)
+            h = run_block(stage, torch.cat([h, s], dim=1), emb, checkpoint=ckpt)
         return self.out(h)
