@@ -18,17 +18,30 @@ EXIT_NONFINITE = 3
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    """Also the entry point of every process under `torchrun --nproc_per_node=N -m steadydiff.cli train ...`:
+    the Trainer joins the process group; only rank 0 prints."""
     from .train import Trainer
+    from .train.flops import format_flops
 
     cfg = load_config(args.config, args.set)
     trainer = Trainer(cfg, args.out, show_progress=not args.quiet)
-    if trainer.step >= cfg.train.steps:
-        print(f"{args.out}: already trained to step {trainer.step} (train.steps={cfg.train.steps}); nothing to do")
-        return 0
-    if trainer.step:
-        print(f"resuming {args.out} from step {trainer.step}")
-    trainer.fit()
-    print(f"done: {args.out} (config.yaml, metrics.jsonl, curves.png, samples/, checkpoints/)")
+    try:
+        say = print if trainer.dist.is_main else (lambda *a, **k: None)
+        if trainer.step >= cfg.train.steps:
+            say(f"{args.out}: already trained to step {trainer.step} (train.steps={cfg.train.steps}); nothing to do")
+            return 0
+        if trainer.step:
+            say(f"resuming {args.out} from step {trainer.step}")
+        fl = trainer.flop_report()
+        procs = f" on {trainer.dist.world_size} processes" if trainer.dist.enabled else ""
+        if fl["flops_per_step"]:
+            say(f"{format_flops(fl['flops_per_step'])}/step (forward + backward, global batch {cfg.train.batch_size}"
+                f"{procs}); peak {format_flops(fl['peak_flops'])}/s "
+                f"({'train.peak_flops' if cfg.train.peak_flops else 'measured matmul'})", flush=True)
+        trainer.fit()
+        say(f"done: {args.out} (config.yaml, metrics.jsonl, curves.png, samples/, checkpoints/)")
+    finally:
+        trainer.close()
     return 0
 
 
@@ -263,13 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except NonFiniteLossError as e:
-        print(f"steadydiff: error: {e}", file=sys.stderr)
+        print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
         return EXIT_NONFINITE
     except (ConfigError, DataError, CheckpointError, RunDirError, ValueError, OSError) as e:
         if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
             raise
-        print(f"steadydiff: error: {e}", file=sys.stderr)
+        print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def _rank_tag() -> str:
+    """'[rank 3] ' for ranks other than 0 under torchrun (the same error from every rank is then told apart)."""
+    rank = os.environ.get("RANK", "0")
+    return "" if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] "
 
 
 if __name__ == "__main__":

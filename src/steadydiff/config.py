@@ -55,7 +55,9 @@ class ModelConfig:
     qkv_bias: bool = False  # uvit
     mlp_time_embed: bool = False  # uvit: MLP on the sinusoidal time token
     final_conv: bool = True  # uvit: 3x3 conv after unpatchify
-    grad_checkpointing: bool = False  # uvit: recompute blocks in backward to save memory
+    # Activation checkpointing (every backbone): recompute each block in backward instead of storing its
+    # activations; less memory for ~1/3 more compute, same gradients. Off: it only pays when memory binds.
+    grad_checkpointing: bool = False
 
 
 @dataclass
@@ -78,7 +80,7 @@ class DiffusionConfig:
 @dataclass
 class TrainConfig:
     steps: int = 1000
-    batch_size: int = 64
+    batch_size: int = 64  # the global batch: split across processes under torchrun (and then across grad_accum)
     lr: float = 2e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
@@ -115,6 +117,12 @@ class TrainConfig:
     eval_metrics: list[str] = field(default_factory=list)  # e.g. [fd_fmnist] or [sw] (toy2d)
     eval_n: int = 256  # samples per periodic eval
     threads: int | None = None  # torch intra-op threads; null keeps torch's default
+    # Speed switches. All off by default: none has been timed on a GPU yet (benchmarks/gpu_check.py measures
+    # them); each leaves the losses equal to the plain step within fp32 round-off (tests/test_perf.py).
+    channels_last: bool = False  # NHWC layout for image batches and conv weights (faster convs on tensor cores)
+    optimizer_impl: Literal["auto", "foreach", "fused", "plain"] = "auto"  # AdamW kernels; auto: PyTorch's pick
+    compile: bool = False  # torch.compile the training loss (model forward + loss); the first steps compile
+    peak_flops: float | None = None  # per-device peak FLOP/s for the logged MFU; null or 0: measure a matmul
     fault_nan_at_step: int | None = None  # testing: make the loss NaN at this step
 
 
@@ -273,6 +281,11 @@ def _check_ranges(cfg: Config) -> None:
         bad = [m for m in t.eval_metrics if m not in METRICS]
         if bad:
             raise ConfigError(f"train.eval_metrics: unknown metric {bad[0]!r}; choose from {', '.join(METRICS)}")
+    if t.peak_flops is not None and t.peak_flops < 0:
+        raise ConfigError(f"train.peak_flops: must be > 0 (FLOP/s per device) or 0/null to measure, got "
+                          f"{t.peak_flops}")
+    if t.channels_last and d.name == "toy2d":
+        raise ConfigError("train.channels_last applies to image data (4-D batches); set it false for toy2d")
     if t.phema_snapshot_every < 0:
         raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {t.phema_snapshot_every}")
     if not 0 <= t.ema_decay < 1:

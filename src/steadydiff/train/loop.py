@@ -8,6 +8,13 @@ Reproducibility: every random draw of step k (data order, flips, t, noise, dropo
 seeded by (seed, k) and from the data sampler's global position k * batch. The trajectory is therefore a
 pure function of (config, weights, optimiser state, k), and resuming from a checkpoint at step k gives
 exactly the losses of a run that never stopped.
+
+Distributed data parallel (under torchrun, see `train/distributed.py`): `train.batch_size` is the global
+batch. Every rank draws the whole global batch (indices, flips, noise levels, noise) from the same (seed, k)
+generators and keeps its contiguous slice, so the trajectory is the same for any number of processes up to
+the order of floating-point reductions, and a checkpoint resumes under any number of processes. Only
+dropout draws per rank (seeded by (seed, k, rank)): with model.dropout > 0 runs on different numbers of
+processes are equal in distribution, not bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +30,7 @@ from typing import Any
 
 import torch
 import yaml
+from torch import nn
 from tqdm import tqdm
 
 from ..config import Config, ConfigError, config_from_dict, dump_config
@@ -34,12 +43,22 @@ from ..diagnostics.monitors import (
     ProbeMonitor,
     UpdateRatioMonitor,
 )
-from ..diffusion import build_formulation
+from ..diffusion import build_formulation, draw_normal
 from ..nn import build_model
 from ..utils.images import save_samples
 from ..utils.io import atomic_write, atomic_write_text
 from .checkpoint import latest_checkpoint, read_checkpoint, save_checkpoint
+from .distributed import (
+    all_reduce_mean,
+    all_reduce_sum,
+    barrier,
+    check_replicas_in_sync,
+    init_distributed,
+    local_main_first,
+    shutdown_distributed,
+)
 from .ema import EMA
+from .flops import count_train_flops, measure_peak_flops
 from .momentum import build_momentum
 from .phema import PowerEMA
 from .schedules import build_lr_schedule
@@ -61,6 +80,8 @@ RESUMABLE_CHANGES = {
     "train.device",
     "train.fault_nan_at_step", "train.phema_snapshot_every", "train.eval_every", "train.eval_metrics",
     "train.eval_n",
+    # speed switches: same losses within fp32 round-off (bitwise-exact resume needs them unchanged)
+    "train.channels_last", "train.optimizer_impl", "train.compile", "train.peak_flops", "model.grad_checkpointing",
 }
 
 
@@ -97,6 +118,32 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def build_optimizer(params, t, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with the kernel train.optimizer_impl asks for: auto (PyTorch's default choice), foreach
+    (multi-tensor), fused (one kernel per step; CUDA, and CPU in PyTorch >= 2.4) or plain (a Python loop)."""
+    kw = {"auto": {}, "foreach": {"foreach": True}, "plain": {"foreach": False}, "fused": {"fused": True}}
+    try:
+        return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                                 **kw[t.optimizer_impl])
+    except (RuntimeError, ValueError) as e:  # e.g. fused on a device this PyTorch has no fused kernel for
+        raise ConfigError(f"train.optimizer_impl={t.optimizer_impl} is not available on {device.type} with "
+                          f"torch {torch.__version__} ({e}); use auto or foreach") from e
+
+
+class TrainLoss(nn.Module):
+    """The per-sample training loss as one module, so that DDP and torch.compile wrap all parameter use of a
+    step (the backbone and, for EDM, the learned u(sigma)) inside a single forward."""
+
+    def __init__(self, model: nn.Module, formulation):
+        super().__init__()
+        self.model = model
+        self.formulation = formulation
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None, t: torch.Tensor,
+                noise: torch.Tensor) -> torch.Tensor:
+        return self.formulation.loss(self.model, x, labels, t=t, noise=noise)
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -111,6 +158,11 @@ class Trainer:
     `model`: train your own backbone instead of `cfg.model` (any module called as `model(x, t, labels)`
     that predicts the noise; see `steadydiff.nn.diffusers_compat.DiffusersUNetAdapter`). `steadydiff
     sample` rebuilds models from `cfg.model`, so for such runs sample from Python with `generate`.
+
+    Under torchrun (WORLD_SIZE > 1) the trainer joins the process group itself and trains with DDP;
+    `self.model` stays the unwrapped module (monitors, EMA and checkpoints see plain parameter names).
+    Rank 0 writes every file and runs the periodic eval. `save` is collective: call it on every rank.
+    Call `close()` when done to leave a process group the trainer created.
     """
 
     def __init__(self, cfg: Config, run_dir: str | Path, show_progress: bool = True,
@@ -122,9 +174,22 @@ class Trainer:
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = pick_device(t.device)
+        self.dist, self.device = init_distributed(pick_device(t.device))
+        try:
+            self._setup(model)
+        except BaseException:
+            self.close()
+            raise
 
-        self.dataset = load_dataset(cfg.data)
+    def _setup(self, model: nn.Module | None) -> None:
+        cfg, t, world = self.cfg, self.cfg.train, self.dist.world_size
+        if t.batch_size % (world * t.grad_accum):
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is the global batch and must be divisible by the number of "
+                f"processes ({world}) x train.grad_accum ({t.grad_accum}); use a multiple of {world * t.grad_accum}"
+            )
+        with local_main_first(self.dist):  # a first run may download the data: once per node
+            self.dataset = load_dataset(cfg.data)
         self.sampler = InfiniteSampler(len(self.dataset), seed=t.seed)
         if cfg.model.num_classes and cfg.model.num_classes != self.dataset.num_classes:
             raise ConfigError(
@@ -136,18 +201,46 @@ class Trainer:
         net = model if model is not None else build_model(cfg.model, self.dataset.sample_shape)
         # The trained module: the backbone (VP) or the EDM preconditioner holding it and u(sigma).
         self.model = self.diffusion.wrap(net).to(self.device)
+        if t.channels_last:  # conv weights NHWC; batches are made NHWC in train_step
+            self.model = self.model.to(memory_format=torch.channels_last)
         self.lr_schedule = build_lr_schedule(t)
         self.momentum = build_momentum(cfg)  # beta1 and LR factor per step (MDLRC and its controls)
         self.timesteps = build_timesteps(cfg, self.diffusion)  # noise-level sampler (base or CLTS)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
-        )
+        self.optimizer = build_optimizer(self.model.parameters(), t, self.device)
+        # Every rank keeps the EMA (identical everywhere: same weights, same updates), so any rank could
+        # sample; only rank 0's is saved.
         self.ema = EMA(self.model, t.ema_decay, t.ema_warmup)
         # EDM2 power-function EMAs (post-hoc EMA): parameter averages only, never forwarded in training mode.
-        self.power_ema = PowerEMA(self.model, t.ema_sigma_rels) if t.ema_sigma_rels else None
+        # Only rank 0 writes their snapshots, so only rank 0 holds them (they cost a model copy per sigma_rel).
+        self.power_ema = PowerEMA(self.model, t.ema_sigma_rels) if t.ema_sigma_rels and self.dist.is_main else None
         self.step = 0
+        self._last_saved: int | None = None  # the step of the newest checkpoint on disk
         self._resume()
         self.monitors: list[Monitor] | None = None  # built in fit(): the probe batch lives in the run dir
+        self._flops: dict[str, float] | None = None  # flop_report(), once per trainer
+        self._build_step_forward()
+
+    def _build_step_forward(self) -> None:
+        """The callable a training step runs: the loss module, wrapped in DDP and/or torch.compile."""
+        self._loss_module = TrainLoss(self.model, self.diffusion)
+        self._ddp = None
+        forward: nn.Module = self._loss_module
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Broadcasts rank 0's weights once here; afterwards DDP averages gradients in backward.
+            self._ddp = DistributedDataParallel(
+                self._loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            forward = self._ddp
+        if self.cfg.train.compile:
+            # Compiling the DDP module lets Dynamo split the graph at DDP's gradient buckets, so the
+            # all-reduce still overlaps the backward.
+            forward = torch.compile(forward)
+        self._step_forward = forward
+
+    def close(self) -> None:
+        """Leave the process group if this trainer created it (`steadydiff train` does this at the end)."""
+        shutdown_distributed(self.dist)
 
     def _build_monitors(self) -> list[Monitor]:
         d = self.cfg.diagnostics
@@ -192,7 +285,14 @@ class Trainer:
             self.optimizer.load_state_dict(ckpt.state["optimizer"])
         if self.power_ema is not None and "power_ema" in ckpt.state:
             self.power_ema.load_state_dict(ckpt.state["power_ema"])
-        self.step = ckpt.step
+        self.step = self._last_saved = ckpt.step
+        if self.dist.enabled:  # every rank must have read the same checkpoint
+            seen = all_reduce_sum(float(self.step), self.dist, self.device) / self.dist.world_size
+            if seen != self.step:
+                raise RunDirError(
+                    f"the ranks resumed from different checkpoints (this rank: step {self.step}); put "
+                    f"{self.run_dir} on a file system that every node sees"
+                )
 
     def _truncate_metrics(self) -> None:
         """Drop log lines written after the checkpoint we resume from (they will be written again)."""
@@ -220,30 +320,46 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
             group["betas"] = (beta1, t.betas[1])
-        torch.manual_seed(t.seed * 1_000_003 + k)  # dropout and any other global-RNG draw
+        rank, world = self.dist.rank, self.dist.world_size
+        # Dropout and any other global-RNG draw. Rank 0 keeps the single-process seed; other ranks get their
+        # own stream (the same stream on every rank would repeat one dropout pattern across the shards).
+        torch.manual_seed(t.seed * 1_000_003 + k + (rank << 40))
         gen = step_generator(t.seed, k, stream=0, device=self.device)
         flip_gen = step_generator(t.seed, k, stream=1)
+        # The whole global batch is drawn on every rank, in the single-process order (levels, then noise),
+        # and each rank keeps its slice: the step does not depend on the number of processes.
         idx = self.sampler.indices(k * t.batch_size, t.batch_size)
         x, labels = get_batch(self.dataset, idx, self.cfg.data.hflip, flip_gen)
-        x = x.to(self.device, non_blocking=True)
-        labels = labels.to(self.device) if (labels is not None and self.cfg.model.num_classes) else None
-
         levels = self.timesteps.sample(t.batch_size, k, gen, self.device)
         weights = self.timesteps.weights(levels, k)
+        noise = draw_normal(x.shape, gen, self.device, dtype=x.dtype)
+        lo, hi = rank * t.batch_size // world, (rank + 1) * t.batch_size // world
+        x = x[lo:hi].to(self.device, non_blocking=True)
+        labels = labels[lo:hi].to(self.device) if (labels is not None and self.cfg.model.num_classes) else None
+        lv, noise = levels[lo:hi], noise[lo:hi]
+        w = None if weights is None else weights[lo:hi]
+        if t.channels_last and x.dim() == 4:
+            x, noise = (v.contiguous(memory_format=torch.channels_last) for v in (x, noise))
+
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        micro = t.batch_size // t.grad_accum
+        micro = (hi - lo) // t.grad_accum
         for m in range(t.grad_accum):
             sl = slice(m * micro, (m + 1) * micro)
-            with self._autocast():
-                loss = self.diffusion.loss(self.model, x[sl], None if labels is None else labels[sl],
-                                           t=levels[sl], generator=gen).float()
-                loss = (loss if weights is None else loss * weights[sl]).mean()
-            if t.fault_nan_at_step is not None and k == t.fault_nan_at_step:
-                loss = loss * float("nan")
-            (loss / t.grad_accum).backward()
+            # DDP: accumulate locally and all-reduce only in the last micro-batch's backward.
+            sync = self._ddp is None or m == t.grad_accum - 1
+            with nullcontext() if sync else self._ddp.no_sync():
+                with self._autocast():
+                    loss = self._step_forward(x[sl], None if labels is None else labels[sl], lv[sl],
+                                              noise[sl]).float()
+                    loss = (loss if w is None else loss * w[sl]).mean()
+                if t.fault_nan_at_step is not None and k == t.fault_nan_at_step:
+                    loss = loss * float("nan")
+                # Shards are equal in size, so DDP's gradient average over ranks of these micro-batch means
+                # is the gradient of the global-batch mean.
+                (loss / t.grad_accum).backward()
             total += loss.detach() / t.grad_accum
-        loss_value = float(total)
+        loss_value = float(all_reduce_mean(total, self.dist))  # every rank sees a NaN and stops together
         if not math.isfinite(loss_value):
             raise NonFiniteLossError(
                 f"loss is {loss_value} at step {k}; stopped without saving (last good checkpoint kept in "
@@ -269,14 +385,44 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------
     # outputs
 
-    def save(self) -> Path:
-        state = {"optimizer": self.optimizer.state_dict(), "config": dump_config(self.cfg),
-                 "data_position": self.step * self.cfg.train.batch_size,
-                 "sample_shape": list(self.dataset.sample_shape)}
-        if self.power_ema is not None:
-            state["power_ema"] = self.power_ema.state_dict()
-        return save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(), self.ema.model.state_dict(),
-                               state, keep=self.cfg.train.keep_ckpts)
+    def save(self) -> Path | None:
+        """Write a checkpoint (rank 0; returns its path, None on other ranks). Collective under DDP: it also
+        checks that every rank holds rank 0's weights, which makes it the barrier after the write."""
+        path = None
+        if self.dist.is_main:
+            state = {"optimizer": self.optimizer.state_dict(), "config": dump_config(self.cfg),
+                     "data_position": self.step * self.cfg.train.batch_size,
+                     "sample_shape": list(self.dataset.sample_shape), "world_size": self.dist.world_size}
+            if self.power_ema is not None:
+                state["power_ema"] = self.power_ema.state_dict()
+            path = save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(),
+                                   self.ema.model.state_dict(), state, keep=self.cfg.train.keep_ckpts)
+        check_replicas_in_sync(self.model, self.dist, self.device)
+        self._last_saved = self.step
+        return path
+
+    def flop_report(self) -> dict[str, float]:
+        """{"flops_per_step": training FLOPs of one step at the global batch (0 when the model cannot be
+        counted), "peak_flops": peak FLOP/s of all processes together}; computed once.
+
+        The peak is train.peak_flops x processes, or else each rank's measured matmul rate summed over
+        ranks (measured concurrently, so processes sharing one CPU share its peak).
+        """
+        if self._flops is None:
+            t = self.cfg.train
+            flops = 0
+            if self.dist.is_main:  # only rank 0 reports it
+                try:
+                    flops = count_train_flops(self.model, self.diffusion, self.cfg, self.dataset.sample_shape)
+                except RuntimeError as e:
+                    warnings.warn(f"no FLOP count, so no MFU in the log: {e}", stacklevel=2)
+            if t.peak_flops:
+                peak = t.peak_flops * self.dist.world_size
+            else:
+                dtype = torch.bfloat16 if t.bf16 else torch.float32
+                peak = all_reduce_sum(measure_peak_flops(self.device, dtype), self.dist, self.device)
+            self._flops = {"flops_per_step": float(flops), "peak_flops": float(peak)}
+        return self._flops
 
     def _tensorboard(self):
         if not self.cfg.diagnostics.tensorboard:
@@ -312,18 +458,25 @@ class Trainer:
         save_samples(x, self.run_dir / "samples" / f"step-{self.step:07d}.png", reference=ref)
 
     def fit(self) -> dict[str, Any]:
-        t = self.cfg.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
-        self._truncate_metrics()
+        """Train to train.steps. Under DDP every rank calls it; rank 0 writes the outputs."""
+        t, main = self.cfg.train, self.dist.is_main
         log_path = self.run_dir / "metrics.jsonl"
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
+            self._truncate_metrics()
+        fl = self.flop_report()
         window: list[StepResult] = []
-        t0, n_img = time.perf_counter(), 0
-        bar = tqdm(total=t.steps, initial=self.step, desc="train", disable=not self.show_progress,
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", disable=not (self.show_progress and main),
                    dynamic_ncols=True)
-        self.monitors = self._build_monitors()
-        tb = self._tensorboard()
-        with open(log_path, "a") as log:
+        # Monitors only on rank 0: after DDP's all-reduce its gradients and weights are everyone's.
+        self.monitors = self._build_monitors() if main else []
+        tb = self._tensorboard() if main else None
+        with open(log_path, "a") if main else _NullLog() as log:
+            if fl["flops_per_step"]:
+                log.write(json.dumps({"step": self.step, "flops_per_step": fl["flops_per_step"],
+                                      "peak_flops": fl["peak_flops"], "world_size": self.dist.world_size}) + "\n")
+            t0, n_img = time.perf_counter(), 0
             while self.step < t.steps:
                 res = self.train_step()
                 window.append(res)
@@ -345,6 +498,8 @@ class Trainer:
                         "level_hist": level_histogram([r.levels for r in window if r.levels is not None]),
                         "images_per_sec": n_img / dt if dt > 0 else float("nan"),
                     }
+                    if fl["flops_per_step"] and dt > 0:  # achieved FLOP/s over the peak of all processes
+                        rec["mfu"] = fl["flops_per_step"] * len(window) / dt / fl["peak_flops"]
                     scaling = getattr(self.model, "skip_scaling", None)
                     if scaling is not None:
                         rec["skip_coeffs"] = [round(c, 6) for c in scaling.coefficients()]
@@ -357,25 +512,48 @@ class Trainer:
                     window.clear()
                     t0, n_img = time.perf_counter(), 0
                 if self.power_ema is not None and self.step % (t.phema_snapshot_every or t.ckpt_every) == 0:
+                    # rank 0 only (the other ranks hold no power EMA)
                     sd = self.model.state_dict()  # persistent buffers only: what load_state_dict expects
                     buffers = {k: b for k, b in self.model.named_buffers() if k in sd}
                     self.power_ema.snapshot(self.run_dir / "phema", self.step, buffers)
                 if self.step % t.ckpt_every == 0 or self.step == t.steps:
-                    self.save()
-                    plot_curves(log_path, self.run_dir / "curves.png")
-                if t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
+                    log.flush()
+                    self.save()  # every rank: it ends with a barrier
+                    if main:
+                        plot_curves(log_path, self.run_dir / "curves.png")
+                if main and t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
                     self._write_samples()
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                # Periodic eval on rank 0 alone (the others wait in the next step's all-reduce): its samples
+                # are those of a single-process run, whatever the number of processes.
+                if main and t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     log.write(json.dumps({"step": self.step, **self.evaluate()}) + "\n")
                     log.flush()
         bar.close()
         if tb is not None:
             tb.close()
-        if latest_checkpoint(self.ckpt_dir) is None or self.step % t.ckpt_every:
+        if self._last_saved != self.step:  # decided from state every rank shares: save is collective
             self.save()
-        self._write_samples()
-        plot_curves(log_path, self.run_dir / "curves.png")
+        if main:
+            self._write_samples()
+            plot_curves(log_path, self.run_dir / "curves.png")
+        barrier(self.dist)  # nobody leaves (and tears the group down) while rank 0 still writes
         return {"step": self.step, "run_dir": str(self.run_dir)}
+
+
+class _NullLog:
+    """Stands in for metrics.jsonl on ranks other than 0."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 @torch.no_grad()

@@ -1,0 +1,104 @@
+"""FLOP accounting and model FLOP utilisation (MFU).
+
+`count_train_flops` runs one training step's forward and backward (the formulation's loss at the global
+batch) under `torch.utils.flop_counter.FlopCounterMode` on a copy of the model whose tensors live on the
+`meta` device: shapes only, so it costs no compute and no memory however large the batch, and the real
+model (and its EDM2 forced weight normalisation, which rewrites weights in training mode) is untouched.
+FlopCounterMode counts matrix multiplies, convolutions and attention (2 FLOPs per multiply-add); element-wise
+work, normalisation and the optimiser are not counted, which is the usual MFU convention. With activation
+checkpointing the recomputed forward is counted too (hardware FLOPs rather than model FLOPs).
+
+`measure_peak_flops` times a square matmul in the training dtype for ~0.2 s: the achievable dense matmul
+rate of this device, not its datasheet peak. MFU against it answers "how far is the step from the matmul
+roofline of this machine"; pass `train.peak_flops` (per device, FLOP/s) to report MFU against a datasheet
+number instead (e.g. 989e12 for an H100 SXM in bf16).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+_PEAK_CACHE: dict[tuple[str, torch.dtype], float] = {}
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy whose parameters and buffers are meta tensors (the real storage is never duplicated)."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def count_train_flops(model: nn.Module, formulation, cfg, sample_shape: tuple[int, ...],
+                      batch: int | None = None) -> int:
+    """FLOPs of one training step (forward + backward of the loss over `batch` samples; default: the
+    configured global batch `cfg.train.batch_size`). bf16 autocast does not change the count.
+
+    Raises RuntimeError when the model cannot run on meta tensors (e.g. it reads tensor values in forward).
+    """
+    b = int(batch if batch is not None else cfg.train.batch_size)
+    meta = _meta_copy(model).train()
+    x = torch.empty((b, *sample_shape), device="meta")
+    t = torch.empty((b,), device="meta").uniform_(0.1, 0.9)
+    noise = torch.empty_like(x)
+    labels = torch.zeros((b,), dtype=torch.long, device="meta") if cfg.model.num_classes else None
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            loss = formulation.loss(meta, x, labels, t=t, noise=noise).float().mean()
+            loss.backward()
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        raise RuntimeError(f"cannot count FLOPs of {type(model).__name__} on meta tensors ({e})") from e
+    return int(counter.get_total_flops())
+
+
+def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       seconds: float = 0.2, n: int | None = None) -> float:
+    """Achievable dense matmul FLOP/s of `device` in `dtype`: n x n @ n x n repeated for ~`seconds`.
+
+    Cached per (device, dtype) for the process: a run measures once, however many trainers it builds.
+    """
+    device = torch.device(device)
+    key = (str(device), dtype)
+    if key in _PEAK_CACHE:
+        return _PEAK_CACHE[key]
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a @ b  # warm-up: kernel selection, lazy initialisation
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        if reps % 4 == 0 or device.type != "cuda":  # sync rarely on GPUs: launches are asynchronous
+            sync()
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                break
+    peak = 2.0 * n**3 * reps / dt
+    _PEAK_CACHE[key] = peak
+    return peak
+
+
+def format_flops(x: float) -> str:
+    """1.23e12 -> '1.23 TFLOP'."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}FLOP"
+    return f"{x:.3g} FLOP"
+
+
+__all__ = ["count_train_flops", "format_flops", "measure_peak_flops"]

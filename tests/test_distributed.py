@@ -1,0 +1,150 @@
+"""Distributed data parallel: `torchrun --nproc_per_node=2` (gloo, CPU) on a tiny toy2d run.
+
+One 2-process run (4 steps, grad_accum 2, post-hoc EMA, periodic eval) is shared by the tests; the
+single-process reference runs in this process. Tolerances: the 2-process run sums gradients in another
+order (per-shard, then DDP's average), so it matches the 1-process run to float32 round-off, amplified a
+little by Adam over a few steps: 1e-5 relative on losses, 1e-5 absolute on weights.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import steadydiff
+from steadydiff.config import load_config
+from steadydiff.train import Trainer, latest_checkpoint, read_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+
+HERE = Path(__file__).resolve().parent
+TOY = [
+    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
+    "train.batch_size=64", "train.grad_accum=2", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1",
+    "train.ckpt_every=2", "train.keep_ckpts=10", "train.sample_n=64", "train.sample_steps=5", "train.threads=1",
+    "train.ema_decay=0.9", "train.ema_sigma_rels=[0.1]", "train.eval_every=2", "train.eval_metrics=[sw]",
+    "train.eval_n=64",
+]
+N2, N1 = 4, 8  # steps of the 2-process run, and of the 1-process reference it is resumed towards
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(steadydiff.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows(run) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """The 2-process run: (run dir, per-rank dumps dir, completed process)."""
+    base = tmp_path_factory.mktemp("ddp")
+    run, dump = base / "run2", base / "dump"
+    sets = [a for s in TOY + [f"train.steps={N2}"] for a in ("--set", s)]
+    proc = torchrun(2, str(HERE / "ddp_worker.py"), str(dump), "train", "--out", str(run), "--quiet", *sets)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, dump, proc
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The 1-process reference run to N1 steps (checkpoints every 2 steps)."""
+    run = tmp_path_factory.mktemp("single") / "run1"
+    Trainer(load_config(None, TOY + [f"train.steps={N1}"]), run, show_progress=False).fit()
+    return run
+
+
+def test_replicas_hold_identical_weights_and_the_checkpoint_is_theirs(ddp):
+    run, dump, _ = ddp
+    r0, r1 = load_file(str(dump / "rank0.safetensors")), load_file(str(dump / "rank1.safetensors"))
+    assert r0.keys() == r1.keys()
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k  # bit for bit: DDP broadcasts, all-reduces, and EMAs agree
+    ck = read_checkpoint(latest_checkpoint(run / "checkpoints"))
+    assert ck.step == N2 and ck.state["world_size"] == 2
+    assert not any(k.startswith("module.") for k in ck.model)  # saved from the unwrapped model
+    for k, v in ck.model.items():
+        assert torch.equal(v, r0[f"model.{k}"]), k
+    for k, v in ck.ema.items():
+        assert torch.equal(v, r0[f"ema.{k}"]), k
+
+
+def test_two_processes_match_one_process_at_the_same_global_batch(ddp, single):
+    run2, _, _ = ddp
+    l2, l1 = losses(run2), losses(single)
+    assert sorted(l2) == list(range(1, N2 + 1))
+    for k in l2:
+        assert abs(l2[k] - l1[k]) <= 1e-5 * abs(l1[k]), (k, l2[k], l1[k])
+    # the same noise levels were drawn (the global batch's, whatever the number of processes)
+    hist2 = {r["step"]: r["level_hist"] for r in rows(run2) if "loss" in r}
+    hist1 = {r["step"]: r["level_hist"] for r in rows(single) if "loss" in r}
+    assert all(hist2[k] == hist1[k] for k in hist2)
+    a = read_checkpoint(run2 / "checkpoints" / f"step-{N2:07d}")
+    b = read_checkpoint(single / "checkpoints" / f"step-{N2:07d}")
+    for k in a.model:
+        torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.ema[k], b.ema[k], rtol=0, atol=1e-5)
+    for k, v in a.state["power_ema"].items():  # rank 0's post-hoc EMA state went into the checkpoint
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            torch.testing.assert_close(v, b.state["power_ema"][k], rtol=0, atol=1e-5)
+    ev2 = [r["eval/sw"] for r in rows(run2) if "eval/sw" in r]
+    ev1 = [r["eval/sw"] for r in rows(single) if "eval/sw" in r][: len(ev2)]
+    assert len(ev2) == N2 // 2 and ev2 == pytest.approx(ev1, rel=1e-4)
+
+
+def test_only_rank0_writes(ddp):
+    run, _, proc = ddp
+    rs = rows(run)
+    for key in ("loss", "grad/total"):  # one training line and one monitor line per step, not one per rank
+        assert [r["step"] for r in rs if key in r] == list(range(1, N2 + 1)), key
+    assert [r["step"] for r in rs if "eval/sw" in r] == [2, 4]
+    flops = [r for r in rs if "flops_per_step" in r]
+    assert len(flops) == 1 and flops[0]["world_size"] == 2 and flops[0]["flops_per_step"] > 0
+    assert all(0 < r["mfu"] < 1 for r in rs if "loss" in r)
+    files = {str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()}
+    ck = {f"checkpoints/step-{s:07d}/{f}" for s in (2, 4) for f in ("model.safetensors", "ema.safetensors", "state.pt")}
+    expected = ck | {"checkpoints/latest", "config.yaml", "metrics.jsonl", "curves.png", "samples/step-0000004.png",
+                     "phema/phema-000000002-0.100.safetensors", "phema/phema-000000004-0.100.safetensors"}
+    assert files == expected
+    assert proc.stdout.count("done:") == 1 and proc.stdout.count("FLOP/step") == 1  # rank 0 prints
+
+
+def test_a_two_process_checkpoint_resumes_with_one_process(ddp, single, tmp_path):
+    run = tmp_path / "resumed"
+    shutil.copytree(ddp[0], run)
+    tr = Trainer(load_config(None, TOY + [f"train.steps={N1}"]), run, show_progress=False)
+    assert tr.step == N2
+    tr.fit()
+    lr, l1 = losses(run), losses(single)
+    assert sorted(lr) == list(range(1, N1 + 1))
+    for k in range(N2 + 1, N1 + 1):
+        assert abs(lr[k] - l1[k]) <= 1e-5 * abs(l1[k]), (k, lr[k], l1[k])
+    a = read_checkpoint(latest_checkpoint(run / "checkpoints"))
+    b = read_checkpoint(latest_checkpoint(single / "checkpoints"))
+    assert a.step == b.step == N1
+    for k in a.model:
+        torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-5)
+
+
+def test_global_batch_not_divisible_by_processes_is_a_one_line_error(tmp_path):
+    proc = torchrun(2, "-m", "steadydiff.cli", "train", "--out", str(tmp_path / "run"), "--quiet",
+                    *[a for s in TOY + ["train.batch_size=66"] for a in ("--set", s)], timeout=120)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("steadydiff: error:")]
+    assert errors and all("train.batch_size=66 is the global batch" in ln and "multiple of 4" in ln for ln in errors)
+    assert not (tmp_path / "run").exists()
