@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import steadydiff
 from steadydiff.config import load_config
 from steadydiff.train import Trainer, latest_checkpoint, read_checkpoint
+from steadydiff.train.distributed import fingerprint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
@@ -148,3 +149,17 @@ def test_global_batch_not_divisible_by_processes_is_a_one_line_error(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("steadydiff: error:")]
     assert errors and all("train.batch_size=66 is the global batch" in ln and "multiple of 4" in ln for ln in errors)
     assert not (tmp_path / "run").exists()
+
+
+def test_replica_fingerprint_sees_a_one_ulp_change_and_a_swap():
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    ref = fingerprint(net)
+    w = net[0].weight
+    with torch.no_grad():
+        w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(1.0))  # one element, one ulp
+    assert not torch.equal(fingerprint(net), ref)
+    with torch.no_grad():
+        w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(-1.0))
+        assert torch.equal(fingerprint(net), ref)
+        w[[0, 1]] = w[[1, 0]]  # same values, other places
+    assert not torch.equal(fingerprint(net), ref)
