@@ -131,12 +131,13 @@ def all_reduce_sum(value: float, info: DistInfo, device: torch.device) -> float:
     return float(t)
 
 
-def broadcast_int(value: int, info: DistInfo, device: torch.device) -> int:
+def same_on_all_ranks(value: int, info: DistInfo, device: torch.device) -> bool:
+    """Whether every rank passed the same integer (one all-reduce of (max, -min); every rank gets the answer)."""
     if not info.enabled:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.broadcast(t, src=0)
-    return int(t)
+        return True
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]) == -int(t[1])
 
 
 def fingerprint(module: torch.nn.Module) -> torch.Tensor:

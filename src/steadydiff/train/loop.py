@@ -55,6 +55,7 @@ from .distributed import (
     check_replicas_in_sync,
     init_distributed,
     local_main_first,
+    same_on_all_ranks,
     shutdown_distributed,
 )
 from .ema import EMA
@@ -216,6 +217,7 @@ class Trainer:
         self.step = 0
         self._last_saved: int | None = None  # the step of the newest checkpoint on disk
         self._resume()
+        self._check_same_start()
         self.monitors: list[Monitor] | None = None  # built in fit(): the probe batch lives in the run dir
         self._flops: dict[str, float] | None = None  # flop_report(), once per trainer
         self._build_step_forward()
@@ -286,13 +288,14 @@ class Trainer:
         if self.power_ema is not None and "power_ema" in ckpt.state:
             self.power_ema.load_state_dict(ckpt.state["power_ema"])
         self.step = self._last_saved = ckpt.step
-        if self.dist.enabled:  # every rank must have read the same checkpoint
-            seen = all_reduce_sum(float(self.step), self.dist, self.device) / self.dist.world_size
-            if seen != self.step:
-                raise RunDirError(
-                    f"the ranks resumed from different checkpoints (this rank: step {self.step}); put "
-                    f"{self.run_dir} on a file system that every node sees"
-                )
+
+    def _check_same_start(self) -> None:
+        """Every rank must start from the same checkpoint (or none): the run directory is shared."""
+        if not same_on_all_ranks(self.step, self.dist, self.device):
+            raise RunDirError(
+                f"the processes found different checkpoints in {self.run_dir} (this one: step {self.step}); put "
+                "--out on a file system that every node sees"
+            )
 
     def _truncate_metrics(self) -> None:
         """Drop log lines written after the checkpoint we resume from (they will be written again)."""
