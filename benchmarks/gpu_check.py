@@ -104,8 +104,16 @@ def loss_and_grads(model, formulation, batch, device, bf16: bool):
 
 def check_numerics(device: torch.device, tiny: bool, batch: int) -> list[dict]:
     """CPU fp32 vs `device` fp32 and bf16 autocast, same weights and batch (see module docstring)."""
-    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 check means IEEE fp32, not TF32
-    torch.backends.cudnn.allow_tf32 = False
+    # The fp32 check means IEEE fp32, not TF32; the flags are restored for the timing (PyTorch's defaults there).
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _check_numerics(device, tiny, batch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def _check_numerics(device: torch.device, tiny: bool, batch: int) -> list[dict]:
     rows = []
     for name, file in NUMERICS:
         cfg, shape = load(CONFIGS / file, tiny)
