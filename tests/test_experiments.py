@@ -239,3 +239,16 @@ def test_parallel_workers_train_the_same_runs(tmp_path):
         assert len(losses(tmp_path / "serial", seed)) == 4
         assert losses(tmp_path / "serial", seed) == losses(tmp_path / "parallel", seed)
     assert losses(tmp_path / "serial", 0) != losses(tmp_path / "serial", 1)  # seeds do differ
+
+
+def test_claims_against_another_arm_and_in_either_direction():
+    from steadydiff.experiments.analysis import judge
+    from steadydiff.experiments.spec import Claim
+
+    arms = {name: {"sensitivity": {"mean_per_seed": vals}} for name, vals in
+            {"base": [1.0, 1.1, 0.9], "deep": [2.0, 2.2, 1.8], "deep_cs": [1.0, 1.05, 0.95]}.items()}
+    grows = judge(Claim("grows", "deep", "sensitivity", direction="more"), arms, "base", 1.0, 500)
+    assert grows["value"] == pytest.approx(2.0) and grows["verdict"] == "holds"
+    assert judge(Claim("shrinks", "deep", "sensitivity"), arms, "base", 1.0, 500)["verdict"] == "does not hold"
+    vs = judge(Claim("cs helps", "deep_cs", "sensitivity", versus="deep"), arms, "base", 1.0, 500)
+    assert vs["versus"] == "deep" and vs["value"] == pytest.approx(0.5) and vs["verdict"] == "holds"

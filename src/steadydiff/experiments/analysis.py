@@ -188,8 +188,11 @@ def analyse(exp: Experiment, out: Path, command: str = "") -> dict[str, Any]:
 
 def judge(claim, arms: dict[str, Any], base: str, better: float, n_boot: int) -> dict[str, Any]:
     """One claim's number, CI and verdict (see `spec` for what each kind compares)."""
-    a, b = arms[claim.arm], arms[base]
-    out: dict[str, Any] = {"name": claim.name, "arm": claim.arm, "kind": claim.kind, "threshold": claim.threshold}
+    versus = claim.versus or base
+    a, b = arms[claim.arm], arms[versus]
+    lower = claim.direction == "less"
+    out: dict[str, Any] = {"name": claim.name, "arm": claim.arm, "versus": versus, "kind": claim.kind,
+                           "threshold": claim.threshold, "direction": claim.direction}
     if claim.kind == "speedup":
         s = a["speedup"][claim.target]
         out.update(value=s["speedup"], ci_low=s["ci_low"], ci_high=s["ci_high"], target=claim.target,
@@ -206,7 +209,7 @@ def judge(claim, arms: dict[str, Any], base: str, better: float, n_boot: int) ->
             p, lo, hi = ratio_of_means_ci(b["stability"][claim.series][claim.stat]["per_seed"],
                                           a["stability"][claim.series][claim.stat]["per_seed"], n_boot)
             out.update(value=p, ci_low=lo, ci_high=hi, series=claim.series, stat=claim.stat,
-                       verdict=verdict(lo, hi, claim.threshold, higher_is_better=False))
+                       verdict=verdict(lo, hi, claim.threshold, higher_is_better=not lower))
     elif claim.kind == "sensitivity":
         if "sensitivity" not in a:
             out.update(value=math.nan, ci_low=math.nan, ci_high=math.nan, verdict="inconclusive",
@@ -215,7 +218,7 @@ def judge(claim, arms: dict[str, Any], base: str, better: float, n_boot: int) ->
             p, lo, hi = ratio_of_means_ci(b["sensitivity"]["mean_per_seed"], a["sensitivity"]["mean_per_seed"],
                                           n_boot)
             out.update(value=p, ci_low=lo, ci_high=hi,
-                       verdict=verdict(lo, hi, claim.threshold, higher_is_better=False))
+                       verdict=verdict(lo, hi, claim.threshold, higher_is_better=not lower))
     return out
 
 

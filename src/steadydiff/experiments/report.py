@@ -92,14 +92,21 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         lines += ["", "## Verdicts", "",
                   "A claim holds when the whole 95% CI is on its side of the threshold, does not hold when the whole "
                   "CI is on the other side, and is inconclusive when the CI straddles it.", "",
-                  "| claim | arm | quantity | value (95% CI) | threshold | verdict |", "|---|---|---|---|---|---|"]
+                  "| claim | arm | quantity | value (95% CI) | claimed | verdict |", "|---|---|---|---|---|---|"]
         for c in rep["claims"]:
+            vs = c.get("versus", rep["baseline"])
             what = {"speedup": f"speed-up to {c.get('target', 'final')} target",
-                    "final": "final metric ratio arm/baseline",
-                    "stability": f"{c.get('stat', '')} of {c.get('series', '')} ratio arm/baseline",
-                    "sensitivity": "mean R(t) ratio arm/baseline"}[c["kind"]]
+                    "final": f"final metric ratio vs {vs}",
+                    "stability": f"{c.get('stat', '')} of {c.get('series', '')}, ratio vs {vs}",
+                    "sensitivity": f"mean R(t), ratio vs {vs}"}[c["kind"]]
+            if c["kind"] == "speedup":
+                claimed = f"> {_f(c['threshold'])}"
+            elif c["kind"] == "final":
+                claimed = f"{'<' if rep['lower_is_better'] else '>'} {_f(c['threshold'])}"
+            else:
+                claimed = f"{'<' if c.get('direction', 'less') == 'less' else '>'} {_f(c['threshold'])}"
             lines.append(f"| {c['name']} | {c['arm']} | {what} | {_f(c['value'])} ({_f(c['ci_low'])}, "
-                         f"{_f(c['ci_high'])}) | {_f(c['threshold'])} | **{c['verdict']}** |")
+                         f"{_f(c['ci_high'])}) | {claimed} | **{c['verdict']}** |")
     lines += ["", "## Plots", "", "![metric vs steps](metric.png)", "", "![stability](stability.png)", ""]
     text = "\n".join(ln for ln in lines if ln is not None) + "\n"
     atomic_write_text(out / "report.md", text)

@@ -19,6 +19,9 @@ Claim kinds (each judged by `speedup.verdict` on a 95% seed-bootstrap CI):
     final        arm / baseline ratio of the final metric; holds if the CI is on the better side of `threshold`
     stability    arm / baseline ratio of `stat` of `series`; holds if the CI is below `threshold` (less oscillation)
     sensitivity  arm / baseline ratio of the mean input sensitivity R(t); holds if the CI is below `threshold`
+
+`versus: ARM` compares final / stability / sensitivity with another arm instead of the baseline, and
+`direction: more` claims a ratio above the threshold (e.g. "sensitivity grows with depth").
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class Claim:
     target: str = "final"  # speedup
     series: str = "grad/total"  # stability
     stat: str = "median_abs_log_delta"  # stability
+    versus: str | None = None  # final / stability / sensitivity: compare with this arm instead of the baseline
+    direction: str = "less"  # stability / sensitivity: the claim is that the ratio is less (or more) than threshold
 
 
 @dataclass
@@ -144,6 +149,11 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
                               f"choose one of {', '.join(arms)}")
         if claim.kind not in CLAIM_KINDS:
             raise ConfigError(f"experiment claims[{i}]: kind {claim.kind!r}; choose one of {', '.join(CLAIM_KINDS)}")
+        if claim.versus is not None and (claim.versus not in arms or claim.kind == "speedup"):
+            raise ConfigError(f"experiment claims[{i}]: versus {claim.versus!r} must name an arm, and speed-ups are "
+                              "always against the baseline")
+        if claim.direction not in ("less", "more"):
+            raise ConfigError(f"experiment claims[{i}]: direction {claim.direction!r}; choose less or more")
         if claim.target not in ("final", "half"):
             raise ConfigError(f"experiment claims[{i}]: target {claim.target!r}; choose final or half")
         if claim.stat not in STATS:
