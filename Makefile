@@ -33,7 +33,7 @@ demo: $(STAMP) data
 	@echo "Outputs: runs/demo/ (samples-final.png, curves.png, metrics.jsonl, checkpoints/)"
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks experiments
 
 test: $(STAMP) data lint
 	$(BIN)/python -m pytest tests -q

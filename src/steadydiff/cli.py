@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema.
+"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema | compare.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
 `steadydiff: error: ...` that names the fix, and a non-zero exit status.
@@ -198,6 +198,26 @@ def _cmd_phema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import shlex
+
+    from .experiments import analyse, load_experiment, plot_experiment, run_experiment, write_markdown
+
+    exp = load_experiment(args.experiment, args.set)
+    out = Path(args.out)
+    if not args.report_only:
+        run_experiment(exp, out, args.set, workers=args.workers, show_progress=not args.quiet)
+    argv = args.argv if args.argv is not None else sys.argv[1:]
+    command = "steadydiff " + " ".join(shlex.quote(a) for a in argv)
+    rep = analyse(exp, out, command=command)
+    write_markdown(rep, out)
+    plot_experiment(exp, rep, out)
+    for c in rep["claims"]:
+        print(f"{c['verdict']:>14}: {c['name']}")
+    print(f"wrote {out}/results.json, report.md, metric.png, stability.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -265,20 +285,32 @@ def build_parser() -> argparse.ArgumentParser:
     ph.add_argument("--step", type=int, help="training step to reconstruct at (default: the last snapshot)")
     ph.add_argument("--out", required=True, help="directory for one sampleable run directory per sigma_rel")
     ph.set_defaults(func=_cmd_phema)
+
+    cm = sub.add_parser("compare", help="run an experiment (arms x seeds) and report speed-ups with 95%% CIs")
+    cm.add_argument("experiment", help="experiment YAML, e.g. experiments/scalelong-unet.yaml")
+    cm.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
+    cm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key in every run, e.g. --set train.steps=20000 on a GPU")
+    cm.add_argument("--workers", type=int, help="runs trained at once in separate processes (default: the file's)")
+    cm.add_argument("--report-only", action="store_true", help="only analyse the finished runs")
+    cm.add_argument("--quiet", action="store_true")
+    cm.set_defaults(func=_cmd_compare)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from .data import DataError
+    from .experiments import ExperimentError
     from .train import CheckpointError, NonFiniteLossError, RunDirError
 
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except NonFiniteLossError as e:
         print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (ConfigError, DataError, CheckpointError, RunDirError, ValueError, OSError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirError, ExperimentError, ValueError, OSError) as e:
         if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
             raise
         print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)

@@ -1,0 +1,181 @@
+"""Experiment files: a base config, arms (config overrides), seeds, a metric, and the claims to judge.
+
+    name: scalelong-unet
+    base: ../configs/demo.yaml            # relative to this file
+    set: {train.steps: 600}               # overrides for every arm
+    baseline: org
+    arms:
+      org: {model.skip_scaling: org}
+      cs-0.5: {model.skip_scaling: cs, model.kappa: 0.5}
+    seeds: [0, 1, 2]
+    metric: {key: eval/fd_fmnist, lower_is_better: true}
+    stability: [loss, grad/total]         # metrics.jsonl series whose oscillation is summarised
+    sensitivity: true                     # input sensitivity R(t) of every final EMA model
+    claims:
+      - {name: "CS is faster", arm: cs-0.5, kind: speedup, target: final, threshold: 1.0}
+
+Claim kinds (each judged by `speedup.verdict` on a 95% seed-bootstrap CI):
+    speedup      baseline steps / arm steps to `target` (final | half); holds if the CI is above `threshold`
+    final        arm / baseline ratio of the final metric; holds if the CI is on the better side of `threshold`
+    stability    arm / baseline ratio of `stat` of `series`; holds if the CI is below `threshold` (less oscillation)
+    sensitivity  arm / baseline ratio of the mean input sensitivity R(t); holds if the CI is below `threshold`
+
+`versus: ARM` compares final / stability / sensitivity with another arm instead of the baseline, and
+`direction: more` claims a ratio above the threshold (e.g. "sensitivity grows with depth").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, apply_overrides, config_from_dict
+
+CLAIM_KINDS = ("speedup", "final", "stability", "sensitivity")
+STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes")
+
+
+@dataclass
+class Claim:
+    name: str
+    arm: str
+    kind: str
+    threshold: float = 1.0
+    target: str = "final"  # speedup
+    series: str = "grad/total"  # stability
+    stat: str = "median_abs_log_delta"  # stability
+    versus: str | None = None  # final / stability / sensitivity: compare with this arm instead of the baseline
+    direction: str = "less"  # stability / sensitivity: the claim is that the ratio is less (or more) than threshold
+
+
+@dataclass
+class Experiment:
+    name: str
+    base: Path
+    arms: dict[str, dict[str, Any]]
+    baseline: str
+    seeds: list[int]
+    metric: str
+    lower_is_better: bool = True
+    set: dict[str, Any] = field(default_factory=dict)
+    stability: list[str] = field(default_factory=lambda: ["loss", "grad/total"])
+    stability_warmup: int | None = None  # steps dropped before oscillation stats (default: train.warmup_steps)
+    sensitivity: bool = False
+    workers: int = 1
+    bootstrap: int = 2000
+    claims: list[Claim] = field(default_factory=list)
+    description: str = ""
+    source: Path | None = None
+
+    def overrides(self, arm: str, seed: int, extra: list[str] | None = None) -> list[str]:
+        """`--set` strings for one run: experiment-wide, then the arm's, then the seed, then the command line."""
+        pairs = {**self.set, **self.arms[arm], "train.seed": seed}
+        return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                for k, v in pairs.items()] + list(extra or [])
+
+    def run_config(self, arm: str, seed: int, extra: list[str] | None = None):
+        data = yaml.safe_load(self.base.read_text()) or {}
+        return config_from_dict(apply_overrides(data, self.overrides(arm, seed, extra)))
+
+
+_KEYS = {"name", "base", "set", "baseline", "arms", "seeds", "metric", "stability", "stability_warmup",
+         "sensitivity", "workers", "bootstrap", "claims", "description"}
+
+
+def _mapping(value: Any, key: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"experiment {key}: expected a mapping of config overrides like {{train.lr: 1e-4}}")
+    return value
+
+
+def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experiment:
+    """Read and validate an experiment file; every arm's config is built once here so errors show up
+    before any training starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"experiment file {path} not found; pass e.g. experiments/scalelong-unet.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"experiment file {path} is not valid YAML ({str(e).splitlines()[0]})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"experiment file {path} must be a mapping with keys {', '.join(sorted(_KEYS))}")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(f"unknown experiment key {unknown[0]}; valid keys: {', '.join(sorted(_KEYS))}")
+    for key in ("name", "base", "arms", "baseline", "seeds", "metric"):
+        if key not in raw:
+            raise ConfigError(f"experiment {path}: missing key {key!r}")
+    base = Path(raw["base"])
+    if not base.is_absolute():
+        base = (path.parent / base).resolve()
+    if not base.is_file():
+        raise ConfigError(f"experiment base config {base} not found; `base:` is relative to the experiment file")
+    arms = raw["arms"]
+    if not isinstance(arms, dict) or not arms:
+        raise ConfigError("experiment arms: expected a mapping arm-name -> {config overrides}")
+    arms = {str(k): _mapping(v, f"arms.{k}") for k, v in arms.items()}
+    if raw["baseline"] not in arms:
+        raise ConfigError(f"experiment baseline {raw['baseline']!r} is not an arm; choose one of {', '.join(arms)}")
+    seeds = raw["seeds"]
+    if isinstance(seeds, int):
+        seeds = list(range(seeds))
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError("experiment seeds: expected a list of integers like [0, 1, 2] (or a count)")
+    metric = raw["metric"]
+    if isinstance(metric, str):
+        metric = {"key": metric}
+    if not isinstance(metric, dict) or "key" not in metric or set(metric) - {"key", "lower_is_better"}:
+        raise ConfigError("experiment metric: expected {key: eval/fd_fmnist, lower_is_better: true}")
+    claims = []
+    for i, c in enumerate(raw.get("claims") or []):
+        if not isinstance(c, dict):
+            raise ConfigError(f"experiment claims[{i}]: expected a mapping with name, arm, kind")
+        bad = sorted(set(c) - set(Claim.__dataclass_fields__))
+        if bad:
+            raise ConfigError(f"experiment claims[{i}]: unknown key {bad[0]}; valid: "
+                              f"{', '.join(Claim.__dataclass_fields__)}")
+        try:
+            claim = Claim(**c)
+        except TypeError as e:
+            raise ConfigError(f"experiment claims[{i}]: {e}; give name, arm and kind") from e
+        if claim.arm not in arms:
+            raise ConfigError(f"experiment claims[{i}]: arm {claim.arm!r} is not an arm; "
+                              f"choose one of {', '.join(arms)}")
+        if claim.kind not in CLAIM_KINDS:
+            raise ConfigError(f"experiment claims[{i}]: kind {claim.kind!r}; choose one of {', '.join(CLAIM_KINDS)}")
+        if claim.versus is not None and (claim.versus not in arms or claim.kind == "speedup"):
+            raise ConfigError(f"experiment claims[{i}]: versus {claim.versus!r} must name an arm, and speed-ups are "
+                              "always against the baseline")
+        if claim.direction not in ("less", "more"):
+            raise ConfigError(f"experiment claims[{i}]: direction {claim.direction!r}; choose less or more")
+        if claim.target not in ("final", "half"):
+            raise ConfigError(f"experiment claims[{i}]: target {claim.target!r}; choose final or half")
+        if claim.stat not in STATS:
+            raise ConfigError(f"experiment claims[{i}]: stat {claim.stat!r}; choose one of {', '.join(STATS)}")
+        claims.append(claim)
+    stability = raw.get("stability", ["loss", "grad/total"])
+    if not isinstance(stability, list):
+        raise ConfigError("experiment stability: expected a list of metrics.jsonl keys like [loss, grad/total]")
+    workers = raw.get("workers", 1)
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError("experiment workers: expected an integer >= 1")
+    exp = Experiment(
+        name=str(raw["name"]), base=base, arms=arms, baseline=str(raw["baseline"]), seeds=seeds,
+        metric=str(metric["key"]), lower_is_better=bool(metric.get("lower_is_better", True)),
+        set=_mapping(raw.get("set"), "set"), stability=[str(s) for s in stability],
+        stability_warmup=raw.get("stability_warmup"), sensitivity=bool(raw.get("sensitivity", False)),
+        workers=workers, bootstrap=int(raw.get("bootstrap", 2000)), claims=claims,
+        description=str(raw.get("description", "")), source=path,
+    )
+    for arm in arms:  # fail now, not after hours of training the other arms
+        try:
+            exp.run_config(arm, seeds[0], extra)
+        except ConfigError as e:
+            raise ConfigError(f"experiment arm {arm!r}: {e}") from e
+    return exp
