@@ -7,6 +7,7 @@ Every expected failure (bad config, missing data, unreadable checkpoint, NaN los
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -17,12 +18,18 @@ EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
 
 
+class OutputError(RuntimeError):
+    """Writing an output failed (full disk, no permission); the message names the file and the fix."""
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     """Also the entry point of every process under `torchrun --nproc_per_node=N -m steadydiff.cli train ...`:
     the Trainer joins the process group; only rank 0 prints."""
     from .train import Trainer
     from .train.flops import format_flops
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file; --out must be a directory (a new one, or a run to resume)")
     cfg = load_config(args.config, args.set)
     trainer = Trainer(cfg, args.out, show_progress=not args.quiet)
     try:
@@ -38,7 +45,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
             say(f"{format_flops(fl['flops_per_step'])}/step (forward + backward, global batch {cfg.train.batch_size}"
                 f"{procs}); peak {format_flops(fl['peak_flops'])}/s "
                 f"({'train.peak_flops' if cfg.train.peak_flops else 'measured matmul'})", flush=True)
-        trainer.fit()
+        try:
+            trainer.fit()
+        except OSError as e:  # metrics, curves, samples (checkpoint writes raise CheckpointError)
+            raise OutputError(f"could not write to {args.out}: {os_error_text(e)}; re-running the same command "
+                              "resumes from the last checkpoint") from e
         say(f"done: {args.out} (config.yaml, metrics.jsonl, curves.png, samples/, checkpoints/)")
     finally:
         trainer.close()
@@ -85,6 +96,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     cfg, model, formulation, ckpt = load_run_model(args.run, use_ema=not args.no_ema)
     metrics = parse_metrics(args.metric)
+    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
     sampler = args.sampler or cfg.train.sample_sampler
     if sampler not in formulation.samplers:
         raise ConfigError(f"--sampler {sampler} does not apply to diffusion.kind={formulation.kind}; choose one of "
@@ -95,7 +109,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     dataset = load_dataset(cfg.data)
     res = evaluate(model.to(device), formulation, cfg, dataset, metrics, args.n, sampler, args.steps, args.seed,
                    device, clip=not args.no_clip, ref_n=args.ref_n)
-    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
     record = {"step": ckpt.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
               "weights": "raw" if args.no_ema else "ema", "ref_n": args.ref_n, "metrics": res}
     atomic_write_text(out, json.dumps(record, indent=2) + "\n")
@@ -130,6 +143,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
               f"{shape[1]}x{shape[2]}x{shape[0]}, skip_scaling {mcfg.skip_scaling}); sample with "
               f"`steadydiff sample {out} --out samples.png`")
         return 0
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'nnet_ema.pth'}")
     ckpt = read_checkpoint(find_weights(src))
     weights = ckpt.model if args.no_ema or ckpt.ema is None else ckpt.ema
     n_skips = len({k.split(".")[1] for k in weights if k.startswith("out_blocks.")})
@@ -218,8 +233,41 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def os_error_text(e: OSError) -> str:
+    """`reason (file); fix` for a failed file operation, e.g. a full disk."""
+    reason = e.strerror or str(e) or type(e).__name__
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space or change --out"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make it writable or change --out"
+    elif e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+        fix = "check the path"
+    else:
+        fix = "check the path and the disk"
+    return f"{reason}{where}; {fix}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line error format (argparse prints the whole usage block by default)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"steadydiff: error: {message}; see `{self.prog} --help`\n")
+
+
+def _count(text: str) -> int:
+    """A positive integer argument (--n, --steps, --threads, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="steadydiff", description=__doc__.splitlines()[0])
+    p = _Parser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (re-run the same command to resume)")
@@ -232,32 +280,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sample", help="draw samples from a trained run into a PNG")
     s.add_argument("run", help="run directory (or a checkpoint directory inside it)")
-    s.add_argument("--n", type=int, default=64)
+    s.add_argument("--n", type=_count, default=64)
     s.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m", "heun", "euler"],
                    help="vp: em | ddim | dpmpp2m; edm: heun | euler (default: the run's train.sample_sampler)")
-    s.add_argument("--steps", type=int, default=50)
+    s.add_argument("--steps", type=_count, default=50)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG file to write")
     s.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     s.add_argument("--no-clip", action="store_true", help="do not keep image estimates in [-1, 1] while sampling")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--threads", type=_count, default=None)
     s.set_defaults(func=_cmd_sample)
 
     e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, sw, mmd)")
     e.add_argument("run", help="run directory (or a phema output directory)")
     e.add_argument("--metric", default="fd_fmnist", help="comma-separated metrics, e.g. fd_fmnist,kid,fid")
-    e.add_argument("--n", type=int, default=5000, help="number of samples")
+    e.add_argument("--n", type=_count, default=5000, help="number of samples")
     e.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m", "heun", "euler"])
-    e.add_argument("--steps", type=int, default=50)
+    e.add_argument("--steps", type=_count, default=50)
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--ref-n", type=int, help="reference statistics over this many training images (default: all; "
+    e.add_argument("--ref-n", type=_count, help="reference statistics over this many training images (default: all; "
                    "Inception on a CPU: ~6 img/s)")
     e.add_argument("--no-ema", action="store_true")
     e.add_argument("--no-clip", action="store_true")
     e.add_argument("--out", help="JSON file (default RUN/eval.json)")
     e.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--threads", type=_count, default=None)
     e.set_defaults(func=_cmd_eval)
 
     c = sub.add_parser("convert", help="convert checkpoints from/to the official U-ViT/ScaleLong layout")
@@ -265,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvit-official: official nnet.pth -> steadydiff run dir; to-uvit-official: the reverse")
     c.add_argument("input", help="official .pth file (uvit-official) or steadydiff run/checkpoint dir")
     c.add_argument("--out", required=True, help="run directory (uvit-official) or .pth file (to-uvit-official)")
-    c.add_argument("--num-heads", type=int, help="attention heads (uvit-official; not stored in checkpoints)")
+    c.add_argument("--num-heads", type=_count, help="attention heads (uvit-official; not stored in checkpoints)")
     c.add_argument("--skip-scaling", choices=["org", "inv_sqrt2", "cs"], default="org",
                    help="official scalelong 0/1/2 (LS variants are detected from the weights)")
     c.add_argument("--kappa", type=float, default=0.5)
@@ -291,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
     cm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key in every run, e.g. --set train.steps=20000 on a GPU")
-    cm.add_argument("--workers", type=int, help="runs trained at once in separate processes (default: the file's)")
+    cm.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's)")
     cm.add_argument("--report-only", action="store_true", help="only analyse the finished runs")
     cm.add_argument("--quiet", action="store_true")
     cm.set_defaults(func=_cmd_compare)
@@ -303,17 +351,22 @@ def main(argv: list[str] | None = None) -> int:
     from .experiments import ExperimentError
     from .train import CheckpointError, NonFiniteLossError, RunDirError
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # usage errors (already printed as one line) and --help: return, do not exit
+        return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
     args.argv = argv
     try:
         return args.func(args)
     except NonFiniteLossError as e:
         print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (ConfigError, DataError, CheckpointError, RunDirError, ExperimentError, ValueError, OSError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirError, ExperimentError, OutputError, ValueError,
+            OSError) as e:
         if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
             raise
-        print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
+        text = os_error_text(e) if isinstance(e, OSError) else str(e)
+        print(f"steadydiff: error: {_rank_tag()}{' '.join(text.split())}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

@@ -123,7 +123,14 @@ class TrainConfig:
     optimizer_impl: Literal["auto", "foreach", "fused", "plain"] = "auto"  # AdamW kernels; auto: PyTorch's pick
     compile: bool = False  # torch.compile the training loss (model forward + loss); the first steps compile
     peak_flops: float | None = None  # per-device peak FLOP/s for the logged MFU; null or 0: measure a matmul
+    # A NaN/Inf loss or gradient norm: stop (exit 3, last good checkpoint kept) or skip that step's update
+    # (no weight, EMA or optimiser change; the step still counts), counted as skipped_steps in metrics.jsonl.
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_consecutive_skips: int = 10  # nonfinite=skip: stop anyway when one more step in a row would be skipped
     fault_nan_at_step: int | None = None  # testing: make the loss NaN at this step
+    fault_steps: list[int] = field(default_factory=list)  # testing: inject a fault at these (0-based) steps
+    fault_kind: Literal["nan", "inf"] = "nan"  # testing: the value injected at fault_steps
+    fault_where: Literal["loss", "grad"] = "loss"  # testing: into the loss, or into one gradient entry
 
 
 @dataclass
@@ -242,6 +249,7 @@ def _check_ranges(cfg: Config) -> None:
         "train.steps": t.steps, "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
         "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.keep_ckpts": t.keep_ckpts,
         "train.sample_n": t.sample_n, "train.sample_steps": t.sample_steps, "data.resolution": d.resolution,
+        "data.toy_size": d.toy_size,
         "model.channels": m.channels, "model.hidden": m.hidden, "model.embed_dim": m.embed_dim,
         "model.patch_size": m.patch_size,
         "model.ls_reduction": m.ls_reduction, "model.num_heads": m.num_heads, "train.lr_ref_steps": t.lr_ref_steps,
@@ -286,6 +294,21 @@ def _check_ranges(cfg: Config) -> None:
                           f"{t.peak_flops}")
     if t.channels_last and d.name == "toy2d":
         raise ConfigError("train.channels_last applies to image data (4-D batches); set it false for toy2d")
+    if t.grad_clip is not None and t.grad_clip <= 0:
+        raise ConfigError(f"train.grad_clip: must be > 0 or null (no clipping), got {t.grad_clip}")
+    non_negative = {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps}
+    for key, v in non_negative.items():
+        if v < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {v}")
+    if t.threads is not None and t.threads < 1:
+        raise ConfigError(f"train.threads: must be >= 1 or null (torch's default), got {t.threads}")
+    if d.max_items is not None and d.max_items < 1:
+        raise ConfigError(f"data.max_items: must be >= 1 or null (all items), got {d.max_items}")
+    if t.max_consecutive_skips < 1:
+        raise ConfigError(f"train.max_consecutive_skips: must be >= 1, got {t.max_consecutive_skips}")
+    faults = t.fault_steps + ([] if t.fault_nan_at_step is None else [t.fault_nan_at_step])
+    if any(k < 0 for k in faults):
+        raise ConfigError(f"train.fault_steps / train.fault_nan_at_step: steps must be >= 0, got {faults}")
     if t.phema_snapshot_every < 0:
         raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {t.phema_snapshot_every}")
     if not 0 <= t.ema_decay < 1:

@@ -20,7 +20,13 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    rows = []
+    for ln in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(ln))
+        except ValueError:  # blank, or the last line torn by a run killed mid-write
+            continue
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

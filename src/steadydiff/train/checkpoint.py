@@ -7,15 +7,20 @@ Layout under `RUN_DIR/checkpoints/`:
     latest                          text file naming the newest complete checkpoint directory
 
 A checkpoint is written into a hidden temporary directory and renamed into place only once every file
-is written and fsynced; `latest` is then replaced atomically. A crash at any moment therefore leaves the
-previous checkpoint (and `latest` pointing to it) intact.
+is written and fsynced; `latest` is then replaced atomically. Directories are removed (pruning, or
+replacing a checkpoint of the same step) by first renaming them to a hidden `.trash-*` name, so a
+`step-*` directory is always complete. A crash at any moment therefore leaves the previous checkpoint
+(and `latest` pointing to it) intact; a failed write (disk full) raises `CheckpointError` and leaves the
+directory as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,9 @@ from safetensors.torch import load_file, save_file
 from ..utils.io import atomic_write_text, fsync_dir
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# Test hook (crash-resume soak, benchmarks/soak.py): seconds to pause after each checkpoint file, so that a
+# SIGKILL at a random moment lands inside a checkpoint write often enough to exercise that path.
+_DELAY_ENV = "STEADYDIFF_TEST_CKPT_WRITE_DELAY"
 
 
 class CheckpointError(RuntimeError):
@@ -47,11 +55,15 @@ def _contiguous(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _write_files(tmp: Path, model_sd, ema_sd, state) -> None:
+    delay = float(os.environ.get(_DELAY_ENV) or 0)
     tmp.mkdir(parents=True)
     save_file(_contiguous(model_sd), str(tmp / "model.safetensors"))
+    time.sleep(delay)
     if ema_sd is not None:
         save_file(_contiguous(ema_sd), str(tmp / "ema.safetensors"))
+        time.sleep(delay)
     torch.save(state, tmp / "state.pt")
+    time.sleep(delay)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -67,23 +79,54 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step-{step:07d}"
     tmp = ckpt_dir / f".tmp-step-{step:07d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     try:
-        _write_files(tmp, model_sd, ema_sd, {**state, "step": step})
-        if final.exists():  # an earlier complete write of the same step: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    atomic_write_text(ckpt_dir / "latest", final.name + "\n")
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            _write_files(tmp, model_sd, ema_sd, {**state, "step": step})
+            if final.exists():  # an earlier complete write of the same step (its `latest` update was lost)
+                _remove(final)
+            os.rename(tmp, final)
+            fsync_dir(ckpt_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            atomic_write_text(ckpt_dir / "latest", final.name + "\n")
+        except OSError:
+            # `latest` still names the previous checkpoint; drop the new one so the directory is as before.
+            _remove(final)
+            raise
+    except OSError as e:
+        raise CheckpointError(f"could not write checkpoint {final} ({_reason(e)}); {_fix(e)} "
+                              "(the previous checkpoint is kept; re-run the same command to resume)") from e
     _prune(ckpt_dir, keep, protect=final.name)
     return final
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e) or type(e).__name__
+
+
+def _fix(e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space or change --out"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make the run directory writable or change --out"
+    return "check the disk or change --out"
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory so that no half-deleted `step-*` directory is ever visible: rename it
+    to a hidden trash name first (atomic), then delete that. A crash leaves only hidden trash behind."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _complete_dirs(ckpt_dir: Path) -> list[Path]:
@@ -94,10 +137,14 @@ def _complete_dirs(ckpt_dir: Path) -> list[Path]:
 def _prune(ckpt_dir: Path, keep: int, protect: str) -> None:
     for p in _complete_dirs(ckpt_dir)[:-keep] if keep > 0 else []:
         if p.name != protect:
-            shutil.rmtree(p, ignore_errors=True)
-    for p in ckpt_dir.glob(".tmp-step-*"):  # leftovers of writes that were killed
-        if not p.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(p, ignore_errors=True)
+            try:
+                _remove(p)
+            except OSError:  # pruning is housekeeping: a failure here must not fail the run
+                pass
+    for pattern in (".tmp-step-*", ".trash-step-*"):  # leftovers of writes and deletions that were killed
+        for p in ckpt_dir.glob(pattern):
+            if not p.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def load_state(path: Path) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -67,7 +69,8 @@ from .timesteps import build_timesteps, level_histogram
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/Inf; the run stopped and the last good checkpoint is kept."""
+    """The loss or the gradient became NaN/Inf (and train.nonfinite=stop, or too many steps in a row were
+    skipped); the run stopped and the last good checkpoint is kept."""
 
 
 class RunDirError(RuntimeError):
@@ -79,7 +82,8 @@ RESUMABLE_CHANGES = {
     "train.steps", "train.log_every", "train.ckpt_every", "train.keep_ckpts", "train.sample_every",
     "train.sample_n", "train.sample_sampler", "train.sample_steps", "train.sample_clip", "train.threads",
     "train.device",
-    "train.fault_nan_at_step", "train.phema_snapshot_every", "train.eval_every", "train.eval_metrics",
+    "train.fault_nan_at_step", "train.fault_steps", "train.fault_kind", "train.fault_where", "train.nonfinite",
+    "train.max_consecutive_skips", "train.phema_snapshot_every", "train.eval_every", "train.eval_metrics",
     "train.eval_n",
     # speed switches: same losses within fp32 round-off (bitwise-exact resume needs them unchanged)
     "train.channels_last", "train.optimizer_impl", "train.compile", "train.peak_flops", "model.grad_checkpointing",
@@ -151,6 +155,7 @@ class StepResult:
     grad_norm: float
     diagnostics: dict[str, float] = field(default_factory=dict)
     levels: torch.Tensor | None = None  # the noise levels s drawn this step
+    skipped: bool = False  # non-finite loss/gradient under train.nonfinite=skip: no update was made
 
 
 class Trainer:
@@ -216,6 +221,9 @@ class Trainer:
         self.power_ema = PowerEMA(self.model, t.ema_sigma_rels) if t.ema_sigma_rels and self.dist.is_main else None
         self.step = 0
         self._last_saved: int | None = None  # the step of the newest checkpoint on disk
+        self.skipped_steps = 0  # train.nonfinite=skip: steps whose update was skipped, and the current streak
+        self.consecutive_skips = 0
+        self.log_window: list[StepResult] = []  # steps since the last metrics.jsonl record (saved in checkpoints)
         self._resume()
         self._check_same_start()
         self.monitors: list[Monitor] | None = None  # built in fit(): the probe batch lives in the run dir
@@ -280,6 +288,12 @@ class Trainer:
         if ckpt_path is None:
             return
         ckpt = read_checkpoint(ckpt_path)
+        saved, now = ckpt.state.get("sample_shape"), list(self.dataset.sample_shape)
+        if saved is not None and list(saved) != now:  # e.g. a colour image added to a grayscale folder
+            raise RunDirError(
+                f"{self.run_dir} was trained on data of shape {list(saved)} but the data now has shape {now}; "
+                "restore the data or use a new --out directory"
+            )
         self.model.load_state_dict(ckpt.model)
         if ckpt.ema is not None:
             self.ema.model.load_state_dict(ckpt.ema)
@@ -287,6 +301,13 @@ class Trainer:
             self.optimizer.load_state_dict(ckpt.state["optimizer"])
         if self.power_ema is not None and "power_ema" in ckpt.state:
             self.power_ema.load_state_dict(ckpt.state["power_ema"])
+        nonfinite = ckpt.state.get("nonfinite", {})
+        self.skipped_steps = int(nonfinite.get("skipped_steps", 0))
+        self.consecutive_skips = int(nonfinite.get("consecutive", 0))
+        # The steps since the last log record, so a record averaged across the checkpoint matches an
+        # uninterrupted run's.
+        self.log_window = [StepResult(r["loss"], r["grad_norm"], levels=r["levels"], skipped=r["skipped"])
+                           for r in ckpt.state.get("log_window", [])]
         self.step = self._last_saved = ckpt.step
 
     def _check_same_start(self) -> None:
@@ -302,9 +323,12 @@ class Trainer:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= self.step]
-        if len(keep) != len(lines):
+        text = path.read_text()
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        keep = [ln for ln in lines if (rec := _parse_line(ln)) is not None and rec.get("step", 0) <= self.step]
+        # A process killed mid-write leaves a torn last line (or one without its newline, which the next
+        # append would glue onto): rewrite the file whenever it is not exactly the lines we keep.
+        if len(keep) != len(lines) or (text and not text.endswith("\n")):
             atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
     # ---------------------------------------------------------------------------------------------
@@ -356,24 +380,27 @@ class Trainer:
                     loss = self._step_forward(x[sl], None if labels is None else labels[sl], lv[sl],
                                               noise[sl]).float()
                     loss = (loss if w is None else loss * w[sl]).mean()
-                if t.fault_nan_at_step is not None and k == t.fault_nan_at_step:
-                    loss = loss * float("nan")
+                if (bad := self._fault(k, "loss")) is not None:
+                    loss = loss * bad
                 # Shards are equal in size, so DDP's gradient average over ranks of these micro-batch means
                 # is the gradient of the global-batch mean.
                 (loss / t.grad_accum).backward()
             total += loss.detach() / t.grad_accum
+        if (bad := self._fault(k, "grad")) is not None:
+            g = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            g.view(-1)[0] = bad
         loss_value = float(all_reduce_mean(total, self.dist))  # every rank sees a NaN and stops together
         if not math.isfinite(loss_value):
-            raise NonFiniteLossError(
-                f"loss is {loss_value} at step {k}; stopped without saving (last good checkpoint kept in "
-                f"{self.ckpt_dir}); lower train.lr, set train.grad_clip, or disable train.bf16"
-            )
+            return self._nonfinite(k, f"loss is {loss_value}", loss_value, levels)
         diag: dict[str, float] = {}
         due = [m for m in self.monitors or [] if m.due(k + 1)]
         for m in due:  # gradient norms before clipping: the oscillation the papers talk about
             diag.update(m.after_backward(self, k + 1))
         max_norm = t.grad_clip if t.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if not math.isfinite(grad_norm):  # e.g. an overflow in one parameter's gradient, with a finite loss
+            return self._nonfinite(k, f"gradient norm is {grad_norm}", loss_value, levels)
+        self.consecutive_skips = 0
         for m in due:
             m.before_step(self, k + 1)
         self.optimizer.step()
@@ -385,6 +412,41 @@ class Trainer:
             diag.update(m.after_step(self, self.step))
         return StepResult(loss_value, grad_norm, diag, levels)
 
+    def _fault(self, k: int, where: str) -> float | None:
+        """Testing (train.fault_*): the NaN/Inf to inject into the loss or a gradient at step k, or None."""
+        t = self.cfg.train
+        if t.fault_where == where and k in t.fault_steps:
+            return float(t.fault_kind)  # "nan" / "inf"
+        if where == "loss" and k == t.fault_nan_at_step:
+            return float("nan")
+        return None
+
+    def _nonfinite(self, k: int, what: str, loss_value: float, levels: torch.Tensor) -> StepResult:
+        """A non-finite loss or gradient at step k: stop (train.nonfinite=stop, or too many in a row), or skip
+        the update. A skipped step still advances the step counter, so step k's randomness stays a function
+        of (seed, k) and resuming stays exact; the weights, EMAs and optimiser state are left untouched."""
+        t = self.cfg.train
+        self.optimizer.zero_grad(set_to_none=True)
+        kept = f"stopped without saving (last good checkpoint kept in {self.ckpt_dir})"
+        if t.nonfinite == "stop":
+            raise NonFiniteLossError(
+                f"{what} at step {k}; {kept}; lower train.lr, set train.grad_clip, disable train.bf16, "
+                "or set train.nonfinite=skip to skip such steps"
+            )
+        if self.consecutive_skips >= t.max_consecutive_skips:
+            raise NonFiniteLossError(
+                f"{what} at step {k} after {self.consecutive_skips} skipped steps in a row "
+                f"(train.max_consecutive_skips={t.max_consecutive_skips}); {kept}; the run diverged: lower "
+                "train.lr or disable train.bf16"
+            )
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        tqdm.write(f"steadydiff: warning: {what} at step {k}; skipped the update ({self.skipped_steps} skipped, "
+                   f"{self.consecutive_skips} in a row, limit train.max_consecutive_skips="
+                   f"{t.max_consecutive_skips})", file=sys.stderr)
+        self.step = k + 1
+        return StepResult(loss_value, float("nan"), {}, levels, skipped=True)
+
     # ---------------------------------------------------------------------------------------------
     # outputs
 
@@ -395,7 +457,11 @@ class Trainer:
         if self.dist.is_main:
             state = {"optimizer": self.optimizer.state_dict(), "config": dump_config(self.cfg),
                      "data_position": self.step * self.cfg.train.batch_size,
-                     "sample_shape": list(self.dataset.sample_shape), "world_size": self.dist.world_size}
+                     "sample_shape": list(self.dataset.sample_shape), "world_size": self.dist.world_size,
+                     "nonfinite": {"skipped_steps": self.skipped_steps, "consecutive": self.consecutive_skips},
+                     "log_window": [{"loss": r.loss, "grad_norm": r.grad_norm, "skipped": r.skipped,
+                                     "levels": None if r.levels is None else r.levels.cpu()}
+                                    for r in self.log_window]}
             if self.power_ema is not None:
                 state["power_ema"] = self.power_ema.state_dict()
             path = save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(),
@@ -469,7 +535,7 @@ class Trainer:
             atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
             self._truncate_metrics()
         fl = self.flop_report()
-        window: list[StepResult] = []
+        window = self.log_window
         bar = tqdm(total=t.steps, initial=self.step, desc="train", disable=not (self.show_progress and main),
                    dynamic_ncols=True)
         # Monitors only on rank 0: after DDP's all-reduce its gradients and weights are everyone's.
@@ -492,17 +558,20 @@ class Trainer:
                 bar.update(1)
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     dt = time.perf_counter() - t0
+                    good = [r for r in window if not r.skipped]  # skipped steps have no finite loss to average
                     rec = {
                         "step": self.step,
-                        "loss": sum(r.loss for r in window) / len(window),
-                        "grad_norm": sum(r.grad_norm for r in window) / len(window),
+                        "loss": sum(r.loss for r in good) / len(good) if good else None,
+                        "grad_norm": sum(r.grad_norm for r in good) / len(good) if good else None,
                         "lr": self.optimizer.param_groups[0]["lr"],
                         "beta1": self.optimizer.param_groups[0]["betas"][0],
-                        "level_hist": level_histogram([r.levels for r in window if r.levels is not None]),
+                        "level_hist": level_histogram([r.levels for r in good if r.levels is not None]),
                         "images_per_sec": n_img / dt if dt > 0 else float("nan"),
                     }
                     if fl["flops_per_step"] and dt > 0:  # achieved FLOP/s over the peak of all processes
-                        rec["mfu"] = fl["flops_per_step"] * len(window) / dt / fl["peak_flops"]
+                        rec["mfu"] = fl["flops_per_step"] * (n_img // t.batch_size) / dt / fl["peak_flops"]
+                    if t.nonfinite == "skip":
+                        rec["skipped_steps"] = self.skipped_steps
                     scaling = getattr(self.model, "skip_scaling", None)
                     if scaling is not None:
                         rec["skip_coeffs"] = [round(c, 6) for c in scaling.coefficients()]
@@ -510,8 +579,9 @@ class Trainer:
                     log.flush()
                     if tb is not None:
                         for key in ("loss", "grad_norm", "lr", "images_per_sec"):
-                            tb.add_scalar(f"train/{key}", rec[key], self.step)
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}")
+                            if rec[key] is not None:  # None: every step of the window was skipped
+                                tb.add_scalar(f"train/{key}", rec[key], self.step)
+                    bar.set_postfix(loss="skipped" if rec["loss"] is None else f"{rec['loss']:.4f}")
                     window.clear()
                     t0, n_img = time.perf_counter(), 0
                 if self.power_ema is not None and self.step % (t.phema_snapshot_every or t.ckpt_every) == 0:
@@ -520,7 +590,11 @@ class Trainer:
                     buffers = {k: b for k, b in self.model.named_buffers() if k in sd}
                     self.power_ema.snapshot(self.run_dir / "phema", self.step, buffers)
                 if self.step % t.ckpt_every == 0 or self.step == t.steps:
+                    # Log lines up to this step must be on disk before the checkpoint that makes them final:
+                    # a resume from it never rewrites them.
                     log.flush()
+                    if main:
+                        os.fsync(log.fileno())
                     self.save()  # every rank: it ends with a barrier
                     if main:
                         plot_curves(log_path, self.run_dir / "curves.png")
@@ -599,6 +673,15 @@ def load_run_model(run: str | Path, use_ema: bool = True):
     return cfg, model.eval(), formulation, ckpt
 
 
+def _parse_line(line: str) -> dict[str, Any] | None:
+    """One metrics.jsonl record, or None for a line torn by a crash mid-write."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def plot_curves(metrics_path: Path, out_path: Path) -> None:
     """Loss, gradient norm and learning rate against step, from metrics.jsonl."""
     import matplotlib
@@ -606,8 +689,8 @@ def plot_curves(metrics_path: Path, out_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(ln) for ln in Path(metrics_path).read_text().splitlines() if ln.strip()]
-    rows = [r for r in rows if "loss" in r]
+    rows = [_parse_line(ln) for ln in Path(metrics_path).read_text().splitlines() if ln.strip()]
+    rows = [r for r in rows if r is not None and r.get("loss") is not None]
     if not rows:
         return
     steps = [r["step"] for r in rows]

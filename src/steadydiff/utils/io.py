@@ -29,6 +29,10 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # e.g. a full disk: name the file the caller asked for, not the temporary one
+        if e.errno is None or e.filename not in (None, str(tmp)):
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         if tmp.exists():
             tmp.unlink()

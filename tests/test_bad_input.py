@@ -1,0 +1,309 @@
+"""Bad input sweep: malformed configs, datasets and CLI arguments, table-driven, through the real CLI.
+
+Every case must end with exactly one line `steadydiff: error: ...` on stderr that contains the fix (the
+`needle`), a non-zero exit status, and must leave every existing file byte-for-byte and mtime-for-mtime as it
+was (an existing run directory, the data folders, the config files). Cases run in-process through
+`steadydiff.cli.main` (fast); `test_bad_input_through_the_console_process` repeats a few in a subprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from steadydiff.cli import EXIT_USER_ERROR, main
+
+TOY = ["--set", "data.name=toy2d", "--set", "data.toy_size=200", "--set", "model.backbone=mlp_unet",
+       "--set", "model.hidden=16", "--set", "model.depth=2", "--set", "train.batch_size=16",
+       "--set", "train.sample_n=16", "--set", "train.sample_steps=2", "--set", "train.threads=1",
+       "--set", "train.steps=2", "--set", "diagnostics.grad_every=0"]
+# A tiny image U-Net for folder data (16x16).
+SMALL_UNET = ["--set", "model.backbone=unet", "--set", "model.channels=8", "--set", "model.channel_mult=[1]",
+              "--set", "model.num_res_blocks=1", "--set", "model.attn_resolutions=[]", "--set", "model.num_heads=1",
+              "--set", "train.batch_size=2", "--set", "train.sample_n=2", "--set", "train.sample_steps=2",
+              "--set", "train.threads=1", "--set", "train.steps=1", "--set", "data.resolution=16",
+              "--set", "diagnostics.grad_every=0"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _png(path: Path, mode: str = "L", size: int = 16, value: int = 128) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, (size, size), value if mode in ("L", "I") else (value,) * len(mode)).save(path)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Existing runs, data folders and config files that no failing command may change."""
+    r = tmp_path_factory.mktemp("bad_input")
+    assert main(["train", "--out", str(r / "run"), "--quiet", *TOY]) == 0
+    img = r / "img"
+    for i in range(2):
+        _png(img / "gray" / f"{i}.png")
+    (img / "empty").mkdir(parents=True)
+    (img / "textonly").mkdir()
+    (img / "textonly" / "notes.txt").write_text("no images here")
+    _png(img / "corrupt" / "good.png")
+    (img / "corrupt" / "bad.png").write_bytes(np.random.default_rng(0).bytes(300))
+    _png(img / "truncated" / "good.png")
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (32, 32, 3), np.uint8)).save(img / "truncated" / "t.png")
+    data = (img / "truncated" / "t.png").read_bytes()
+    (img / "truncated" / "t.png").write_bytes(data[: len(data) // 2])
+    _png(img / "zerobyte" / "good.png")
+    (img / "zerobyte" / "empty.jpg").write_bytes(b"")
+    _png(img / "loose" / "a.png")
+    _png(img / "loose" / "cls" / "b.png")
+    _png(img / "emptyclass" / "cat" / "a.png")
+    (img / "emptyclass" / "dog").mkdir()
+    # A run trained on grayscale images whose folder then gained a colour image: 1 -> 3 channels.
+    for i in range(2):
+        _png(img / "shape" / f"{i}.png")
+    assert main(["train", "--out", str(r / "grayrun"), "--quiet", "--set", "data.name=folder",
+                 "--set", f"data.root={img / 'shape'}", *SMALL_UNET]) == 0
+    _png(img / "shape" / "2-colour.png", mode="RGB")
+    (r / "afile.txt").write_text("a file, not a directory")
+    cfg = r / "cfg"
+    cfg.mkdir()
+    (cfg / "list.yaml").write_text("- 1\n- 2\n")
+    (cfg / "invalid.yaml").write_text("train: {steps: [1, 2\n")
+    (cfg / "unknown.yaml").write_text("train:\n  stepz: 10\n")
+    (cfg / "section.yaml").write_text("train: 5\n")
+    (r / "nocfg").mkdir()
+    (r / "nockpt").mkdir()
+    shutil.copy(r / "run" / "config.yaml", r / "nockpt" / "config.yaml")
+    # A run whose latest checkpoint lost half of its weights file.
+    shutil.copytree(r / "run", r / "corruptrun")
+    w = next((r / "corruptrun" / "checkpoints").glob("step-*")) / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:40])
+    (r / "notuvit.pth").write_bytes(b"")  # placeholder output path that must stay untouched
+    return r
+
+
+def fingerprint(root: Path) -> dict[str, tuple[str, int]]:
+    """sha256 and mtime of every file under root: 'nothing overwritten' means this is unchanged."""
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]  # "{R}" is replaced by the world root
+    needle: str  # part of the fix the error line must name
+    exit: int = EXIT_USER_ERROR
+
+
+C = Case
+CONFIG_CASES = [
+    C("unknown-top-key", ["train", "--out", "{R}/new", *TOY, *sets("trian.steps=3")], "valid keys here: data, model"),
+    C("unknown-nested-key", ["train", "--out", "{R}/new", *TOY, *sets("model.nonsense=1")],
+      "unknown config key model.nonsense"),
+    C("typo-key", ["train", "--out", "{R}/new", *TOY, *sets("train.lr_schedul=cosine")], "train.lr_schedule"),
+    C("int-wrong-type", ["train", "--out", "{R}/new", *TOY, *sets("train.steps=many")], "expected an integer"),
+    C("float-wrong-type", ["train", "--out", "{R}/new", *TOY, *sets("train.lr=fast")], "expected a number"),
+    C("bool-wrong-type", ["train", "--out", "{R}/new", *TOY, *sets("data.hflip=maybe")], "expected true or false"),
+    C("list-wrong-type", ["train", "--out", "{R}/new", *TOY, *sets("model.channel_mult=3")], "expected a list"),
+    C("section-not-mapping", ["train", "--out", "{R}/new", *TOY, *sets("train=5")], "expected a mapping"),
+    C("negative-lr", ["train", "--out", "{R}/new", *TOY, *sets("train.lr=-1e-4")], "train.lr: must be > 0"),
+    C("zero-lr", ["train", "--out", "{R}/new", *TOY, *sets("train.lr=0")], "train.lr: must be > 0"),
+    C("negative-steps", ["train", "--out", "{R}/new", *TOY, *sets("train.steps=-5")], "train.steps: must be > 0"),
+    C("batch-not-divisible", ["train", "--out", "{R}/new", *TOY, *sets("train.batch_size=30", "train.grad_accum=4")],
+      "must be divisible by train.grad_accum"),
+    C("unknown-enum-schedule", ["train", "--out", "{R}/new", *TOY, *sets("train.lr_schedule=linear")],
+      "choose one of constant, cosine, inv_sqrt"),
+    C("unknown-enum-kind", ["train", "--out", "{R}/new", *TOY, *sets("diffusion.kind=ddpm")],
+      "choose one of vp, edm"),
+    C("unknown-enum-backbone", ["train", "--out", "{R}/new", *TOY, *sets("model.backbone=resnet")],
+      "choose one of unet, uvit, edm2, mlp_unet"),
+    C("unknown-enum-device", ["train", "--out", "{R}/new", *TOY, *sets("train.device=tpu")],
+      "choose one of auto, cpu, cuda"),
+    C("sampler-for-other-kind", ["train", "--out", "{R}/new", *TOY, *sets("train.sample_sampler=heun")],
+      "choose one of em, ddim, dpmpp2m"),
+    C("ema-decay-one", ["train", "--out", "{R}/new", *TOY, *sets("train.ema_decay=1.0")], "must be in [0, 1)"),
+    C("betas-one-value", ["train", "--out", "{R}/new", *TOY, *sets("train.betas=[0.9]")], "expected two numbers"),
+    C("negative-grad-clip", ["train", "--out", "{R}/new", *TOY, *sets("train.grad_clip=-1")],
+      "train.grad_clip: must be > 0 or null"),
+    C("negative-weight-decay", ["train", "--out", "{R}/new", *TOY, *sets("train.weight_decay=-0.1")],
+      "train.weight_decay: must be >= 0"),
+    C("negative-warmup", ["train", "--out", "{R}/new", *TOY, *sets("train.warmup_steps=-1")],
+      "train.warmup_steps: must be >= 0"),
+    C("zero-threads", ["train", "--out", "{R}/new", *TOY, *sets("train.threads=0")], "train.threads: must be >= 1"),
+    C("zero-max-items", ["train", "--out", "{R}/new", *TOY, *sets("data.max_items=0")], "data.max_items"),
+    C("zero-toy-size", ["train", "--out", "{R}/new", *TOY, *sets("data.toy_size=0")], "data.toy_size: must be > 0"),
+    C("zero-keep-ckpts", ["train", "--out", "{R}/new", *TOY, *sets("train.keep_ckpts=0")], "must be > 0"),
+    C("dropout-above-one", ["train", "--out", "{R}/new", *TOY, *sets("model.dropout=1.5")], "must be in [0, 1)"),
+    C("kappa-zero", ["train", "--out", "{R}/new", *TOY, *sets("model.kappa=0")], "must be in (0, 1]"),
+    C("eval-without-metrics", ["train", "--out", "{R}/new", *TOY, *sets("train.eval_every=5")],
+      "needs train.eval_metrics"),
+    C("sigma-rel-out-of-range", ["train", "--out", "{R}/new", *TOY, *sets("train.ema_sigma_rels=[0.5]")],
+      "(0, 0.2887)"),
+    C("unknown-nonfinite-policy", ["train", "--out", "{R}/new", *TOY, *sets("train.nonfinite=ignore")],
+      "choose one of stop, skip"),
+    C("zero-max-skips", ["train", "--out", "{R}/new", *TOY, *sets("train.max_consecutive_skips=0")], "must be >= 1"),
+    C("negative-fault-step", ["train", "--out", "{R}/new", *TOY, *sets("train.fault_steps=[-1]")], "must be >= 0"),
+    C("override-without-equals", ["train", "--out", "{R}/new", *TOY, "--set", "train.lr"], "expected KEY=VALUE"),
+    C("config-file-missing", ["train", "--config", "{R}/cfg/nope.yaml", "--out", "{R}/new"], "pass an existing"),
+    C("config-file-is-a-directory", ["train", "--config", "{R}/cfg", "--out", "{R}/new"], "pass an existing"),
+    C("config-file-invalid-yaml", ["train", "--config", "{R}/cfg/invalid.yaml", "--out", "{R}/new"],
+      "is not valid YAML"),
+    C("config-file-not-a-mapping", ["train", "--config", "{R}/cfg/list.yaml", "--out", "{R}/new"],
+      "expected a mapping"),
+    C("config-file-unknown-key", ["train", "--config", "{R}/cfg/unknown.yaml", "--out", "{R}/new"],
+      "unknown config key train.stepz"),
+    C("config-file-section-scalar", ["train", "--config", "{R}/cfg/section.yaml", "--out", "{R}/new"],
+      "train: expected a mapping"),
+    C("different-config-on-existing-run", ["train", "--out", "{R}/run", *TOY, *sets("train.lr=0.5")],
+      "use a new --out directory"),
+]
+
+FOLDER = [*SMALL_UNET, "--set", "data.name=folder"]
+DATA_CASES = [
+    C("data-missing-dir", ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/img/missing")],
+      "does not exist; set data.root"),
+    C("data-root-is-a-file", ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/afile.txt")],
+      "is not a directory; set data.root"),
+    C("data-empty-folder", ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/img/empty")],
+      "add images or fix data.root"),
+    C("data-no-image-files", ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/img/textonly")],
+      "add images or fix data.root"),
+    C("data-corrupt-image", ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/img/corrupt")],
+      "bad.png is corrupt or unreadable"),
+    C("data-truncated-png", ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/img/truncated")],
+      "t.png is corrupt or unreadable"),
+    C("data-zero-byte-image", ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/img/zerobyte")],
+      "empty.jpg is corrupt or unreadable ("),
+    C("data-labels-no-classes", ["train", "--out", "{R}/new", *FOLDER,
+                                 *sets("data.root={R}/img/gray", "data.labels=true")], "set data.labels=false"),
+    C("data-labels-loose-images", ["train", "--out", "{R}/new", *FOLDER,
+                                   *sets("data.root={R}/img/loose", "data.labels=true")],
+      "move them into a class sub-folder"),
+    C("data-labels-empty-class", ["train", "--out", "{R}/new", *FOLDER,
+                                  *sets("data.root={R}/img/emptyclass", "data.labels=true")],
+      "add images or remove the folder"),
+    C("data-classes-mismatch", ["train", "--out", "{R}/new", *FOLDER,
+                                *sets("data.root={R}/img/emptyclass", "model.num_classes=3")],
+      "set model.num_classes=0"),
+    C("data-channels-changed-under-run", ["train", "--out", "{R}/grayrun", *FOLDER, *sets("data.root={R}/img/shape")],
+      "restore the data or use a new --out"),
+    C("data-resolution-not-divisible",
+      ["train", "--out", "{R}/new", *FOLDER, *sets("data.root={R}/img/gray", "data.resolution=18",
+                                                    "model.channel_mult=[1,2,2]")],
+      "divisible"),
+    C("data-fashion-wrong-resolution", ["train", "--out", "{R}/new", *TOY,
+                                        *sets("data.name=fashion_mnist", "data.resolution=32")], "data.resolution=28"),
+]
+
+CLI_CASES = [
+    C("sample-missing-run-dir", ["sample", "{R}/nope", "--out", "{R}/x.png"], "pass the --out of a train run"),
+    C("sample-dir-without-config", ["sample", "{R}/nocfg", "--out", "{R}/x.png"], "pass the --out of a train run"),
+    C("sample-run-without-checkpoint", ["sample", "{R}/nockpt", "--out", "{R}/x.png"], "train first"),
+    C("sample-out-is-a-directory", ["sample", "{R}/run", "--out", "{R}/img"], "give a file name such as"),
+    C("sample-out-parent-is-a-file", ["sample", "{R}/run", "--out", "{R}/afile.txt/x.png"], "check the path"),
+    C("sample-n-zero", ["sample", "{R}/run", "--n", "0", "--out", "{R}/x.png"], "--n: must be >= 1"),
+    C("sample-n-negative", ["sample", "{R}/run", "--n", "-3", "--out", "{R}/x.png"], "--n: must be >= 1"),
+    C("sample-n-not-a-number", ["sample", "{R}/run", "--n", "ten", "--out", "{R}/x.png"],
+      "expected a positive integer"),
+    C("sample-steps-zero", ["sample", "{R}/run", "--steps", "0", "--out", "{R}/x.png"], "--steps: must be >= 1"),
+    C("sample-unknown-sampler", ["sample", "{R}/run", "--sampler", "plms", "--out", "{R}/x.png"], "invalid choice"),
+    C("sample-sampler-for-other-kind", ["sample", "{R}/run", "--sampler", "heun", "--out", "{R}/x.png"],
+      "choose one of em, ddim, dpmpp2m"),
+    C("sample-corrupt-checkpoint", ["sample", "{R}/corruptrun", "--out", "{R}/x.png"],
+      "delete it to fall back to an older one"),
+    C("train-resume-corrupt-checkpoint", ["train", "--out", "{R}/corruptrun", *TOY, *sets("train.steps=4")],
+      "delete it to fall back to an older one"),
+    C("train-out-is-a-file", ["train", "--out", "{R}/afile.txt", *TOY], "--out must be a directory"),
+    C("train-missing-out", ["train", *TOY], "the following arguments are required: --out"),
+    C("unknown-command", ["fly"], "invalid choice"),
+    C("eval-missing-run", ["eval", "{R}/nope", "--metric", "sw", "--n", "8"], "pass the --out of a train run"),
+    C("eval-unknown-metric", ["eval", "{R}/run", "--metric", "bogus", "--n", "8"], "choose from"),
+    C("eval-out-is-a-directory", ["eval", "{R}/run", "--metric", "sw", "--n", "8", "--out", "{R}/img"],
+      "give a file name such as"),
+    C("convert-missing-input", ["convert", "uvit-official", "{R}/nope.pth", "--out", "{R}/conv", "--num-heads", "2"],
+      "pass the official nnet.pth"),
+    C("convert-not-a-uvit", ["convert", "to-uvit-official", "{R}/run", "--out", "{R}/notuvit.pth"],
+      "does not hold a U-ViT"),
+    C("convert-out-is-a-directory", ["convert", "to-uvit-official", "{R}/run", "--out", "{R}/img"],
+      "give a file name such as"),
+    C("phema-without-snapshots", ["phema", "{R}/run", "--sigma-rel", "0.05", "--out", "{R}/ph"],
+      "train with train.ema_sigma_rels"),
+    C("phema-missing-run", ["phema", "{R}/nope", "--sigma-rel", "0.05", "--out", "{R}/ph"], "no config.yaml"),
+    C("diagnose-nothing", ["diagnose", "--out", "{R}/diag"], "pass RUN_DIR"),
+    C("diagnose-not-a-run", ["diagnose", "{R}/nocfg", "--out", "{R}/diag"], "no config.yaml"),
+]
+
+CASES = CONFIG_CASES + DATA_CASES + CLI_CASES
+
+
+def test_case_ids_are_unique():  # benchmarks/reliability_report.py counts cases by id
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+def _argv(case: Case, root: Path) -> list[str]:
+    return [a.replace("{R}", str(root)) for a in case.argv]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_naming_the_fix_and_changes_nothing(case, world, capsys, one_thread):
+    before = fingerprint(world)
+    scratch = [world / n for n in ("new", "x.png", "conv", "ph", "diag")]  # outputs a failed command must not create
+    try:
+        code = main(_argv(case, world))
+        created = [p.name for p in scratch if p.exists()]
+    finally:  # a case that wrongly succeeded must not break the next ones
+        for p in scratch:
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == case.exit, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("steadydiff: error: "), err
+    assert case.needle in lines[0], lines[0]
+    assert fingerprint(world) == before  # nothing written, nothing overwritten
+    assert not created
+
+
+def test_bad_input_through_the_console_process(world, tmp_path):
+    """The same contract for the real process: argparse, config and data errors, one line each."""
+    picked = {"sample-n-zero", "unknown-enum-kind", "data-corrupt-image"}
+    before = fingerprint(world)
+    for case in (c for c in CASES if c.id in picked):
+        proc = subprocess.run([sys.executable, "-m", "steadydiff.cli", *_argv(case, world)], capture_output=True,
+                              text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == case.exit, (case.id, proc.stderr)
+        assert len(lines) == 1 and case.needle in lines[0], (case.id, proc.stderr)
+    assert fingerprint(world) == before
+
+
+def test_mixed_sizes_and_modes_are_accepted_and_normalised(tmp_path, capsys, one_thread):
+    """Not every odd folder is an error: mixed sizes, 16-bit, palette, RGBA and CMYK images all load as RGB."""
+    root = tmp_path / "mixed"
+    root.mkdir()
+    Image.new("L", (20, 16), 10).save(root / "a-gray.png")
+    Image.new("RGBA", (16, 30), (200, 0, 0, 128)).save(root / "b-rgba.png")
+    Image.new("P", (17, 17), 3).save(root / "c-palette.png")
+    Image.new("CMYK", (24, 24), (0, 255, 0, 0)).save(root / "d-cmyk.jpg")
+    Image.fromarray(np.full((18, 18), 40000, np.uint16)).save(root / "e-16bit.png")
+    code = main(["train", "--out", str(tmp_path / "run"), "--quiet", *FOLDER, *sets(f"data.root={root}")])
+    assert code == 0, capsys.readouterr().err
+    from steadydiff.train import find_weights, read_checkpoint
+
+    assert read_checkpoint(find_weights(tmp_path / "run")).state["sample_shape"] == [3, 16, 16]
+
+
+def test_a_pickle_is_never_a_config(tmp_path, capsys):
+    """YAML configs are read with safe_load: a python-object tag is an error, not code."""
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil.yaml").write_text(f"train: !!python/object/apply:os.system ['touch {marker}']\n")
+    code = main(["train", "--config", str(tmp_path / "evil.yaml"), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR and "is not valid YAML" in err and not marker.exists()
