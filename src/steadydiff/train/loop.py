@@ -542,7 +542,7 @@ class Trainer:
         self.monitors = self._build_monitors() if main else []
         tb = self._tensorboard() if main else None
         with open(log_path, "a") if main else _NullLog() as log:
-            if fl["flops_per_step"]:
+            if fl["flops_per_step"] and self.step == 0:  # once per run: a resumed run keeps its record
                 log.write(json.dumps({"step": self.step, "flops_per_step": fl["flops_per_step"],
                                       "peak_flops": fl["peak_flops"], "world_size": self.dist.world_size}) + "\n")
             t0, n_img = time.perf_counter(), 0
