@@ -163,3 +163,60 @@ def test_replica_fingerprint_sees_a_one_ulp_change_and_a_swap():
         assert torch.equal(fingerprint(net), ref)
         w[[0, 1]] = w[[1, 0]]  # same values, other places
     assert not torch.equal(fingerprint(net), ref)
+
+
+def _workers_of(run: Path) -> dict[int, int]:
+    """{rank: pid} of the live training processes of `run` (read from /proc: their env and command line)."""
+    found = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+            env = dict(kv.split(b"=", 1) for kv in (p / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if str(run).encode() in cmd and b"RANK" in env and b"LOCAL_WORLD_SIZE" in env:
+            found[int(env[b"RANK"])] = int(p.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the worker processes")
+def test_a_killed_rank_restarts_under_torchrun_from_the_last_checkpoint(single, tmp_path):
+    """SIGKILL rank 1 mid-run; torchrun --max-restarts=1 restarts both ranks, which resume from the last
+    checkpoint and end where an uninterrupted run ends."""
+    import signal
+    import time
+
+    run = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STEADYDIFF_TEST_CKPT_WRITE_DELAY": "0.3",  # slow enough to aim
+           "PYTHONPATH": os.pathsep.join([str(Path(steadydiff.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "-m", "steadydiff.cli", "train", "--out", str(run), "--quiet",
+           *[a for s in TOY + [f"train.steps={N1}"] for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed_after = None
+    deadline = time.monotonic() + 120
+    while killed_after is None and time.monotonic() < deadline and proc.poll() is None:
+        ckpt = latest_checkpoint(run / "checkpoints") if (run / "checkpoints").is_dir() else None
+        if ckpt is not None and int(ckpt.name.split("-")[1]) >= 2:
+            pids = _workers_of(run)
+            if 1 in pids:
+                os.kill(pids[1], signal.SIGKILL)
+                killed_after = int(ckpt.name.split("-")[1])
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=180)
+    assert killed_after is not None and killed_after < N1, "the run ended before rank 1 could be killed"
+    assert proc.returncode == 0, err[-3000:]
+    assert "resuming" in out  # the restarted group found the checkpoint
+    # Every step logged once, with the losses of the uninterrupted 1-process run.
+    lr, l1 = losses(run), losses(single)
+    assert [r["step"] for r in rows(run) if "loss" in r] == list(range(1, N1 + 1))
+    for k in lr:
+        assert abs(lr[k] - l1[k]) <= 1e-5 * abs(l1[k]), (k, lr[k], l1[k])
+    a = read_checkpoint(latest_checkpoint(run / "checkpoints"))
+    b = read_checkpoint(latest_checkpoint(single / "checkpoints"))
+    assert a.step == b.step == N1
+    for k in a.model:
+        torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-5)

@@ -76,7 +76,16 @@ def init_distributed(device: torch.device) -> tuple[DistInfo, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init: NCCL binds each communicator to the current device
     timeout = datetime.timedelta(seconds=float(os.environ.get("STEADYDIFF_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    dist.init_process_group(backend=backend, rank=info.rank, world_size=world, timeout=timeout)
+    # After a worker failure, torchrun --max-restarts starts a new attempt against the same agent store; the
+    # old attempt's keys (e.g. gloo's peer addresses) are still in it, so a bare env:// init can try to reach
+    # a dead peer ("connectFullMesh failed ... Connection refused"). Keys prefixed by the attempt keep the
+    # attempts apart.
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", info.rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"steadydiff/attempt-{attempt}", store),
+                            rank=info.rank, world_size=world, timeout=timeout)
     return info, device
 
 
