@@ -111,7 +111,7 @@ def test_a_diverged_seed_is_counted_not_dropped():
 
 def test_the_baseline_against_itself_is_exactly_one():
     base = np.stack([exp_curve(1e-3, 0.05, seed=s) for s in range(4)])
-    s = speedup_ci(GRID, base, base, "final", n_boot=200, same_arm=True)
+    s = speedup_ci(GRID, base, base, "final", n_boot=200, paired=True)
     assert s.speedup == 1.0 and s.ci_low == 1.0 and s.ci_high == 1.0
 
 
@@ -252,3 +252,17 @@ def test_claims_against_another_arm_and_in_either_direction():
     assert judge(Claim("shrinks", "deep", "sensitivity"), arms, "base", 1.0, 500)["verdict"] == "does not hold"
     vs = judge(Claim("cs helps", "deep_cs", "sensitivity", versus="deep"), arms, "base", 1.0, 500)
     assert vs["versus"] == "deep" and vs["value"] == pytest.approx(0.5) and vs["verdict"] == "holds"
+
+
+def test_paired_seeds_cancel_the_spread_both_arms_share():
+    # Seeds differ a lot (x0.7 .. x1.4 on the whole curve), but in every seed the arm is 2x faster.
+    scale = np.array([0.7, 1.0, 1.4, 0.85, 1.2])[:, None]
+    base = scale * exp_curve(1e-3)
+    arm = scale * exp_curve(2e-3)
+    paired = speedup_ci(GRID, base, arm, "final", n_boot=500, paired=True)
+    unpaired = speedup_ci(GRID, base, arm, "final", n_boot=500)
+    assert paired.speedup == pytest.approx(2.0)
+    assert paired.ci_low == pytest.approx(2.0) and paired.ci_high == pytest.approx(2.0)
+    assert unpaired.ci_high - unpaired.ci_low > 0.5  # the shared spread shows up when arms are resampled apart
+    p, lo, hi = ratio_of_means_ci([1.0, 2.0, 3.0], [0.9, 1.8, 2.7], n_boot=300, paired=True)
+    assert (p, lo, hi) == pytest.approx((0.9, 0.9, 0.9))

@@ -151,8 +151,8 @@ def analyse(exp: Experiment, out: Path, command: str = "") -> dict[str, Any]:
         }
         for name in targets:
             entry["speedup"][name] = speedup_ci(grid, curves[base], c, name, exp.lower_is_better,
-                                                n_boot=exp.bootstrap, seed=i, same_arm=arm == base).to_dict()
-        fp, flo, fhi = ratio_of_means_ci(curves[base][:, -1], c[:, -1], exp.bootstrap, seed=i)
+                                                n_boot=exp.bootstrap, seed=i, paired=True).to_dict()
+        fp, flo, fhi = ratio_of_means_ci(curves[base][:, -1], c[:, -1], exp.bootstrap, seed=i, paired=True)
         entry["final_ratio"] = {"ratio": fp, "ci_low": flo, "ci_high": fhi}
         entry["stability"] = {}
         for key in exp.stability:
@@ -207,7 +207,7 @@ def judge(claim, arms: dict[str, Any], base: str, better: float, n_boot: int) ->
                        note=f"{claim.series} was not logged")
         else:
             p, lo, hi = ratio_of_means_ci(b["stability"][claim.series][claim.stat]["per_seed"],
-                                          a["stability"][claim.series][claim.stat]["per_seed"], n_boot)
+                                          a["stability"][claim.series][claim.stat]["per_seed"], n_boot, paired=True)
             out.update(value=p, ci_low=lo, ci_high=hi, series=claim.series, stat=claim.stat,
                        verdict=verdict(lo, hi, claim.threshold, higher_is_better=not lower))
     elif claim.kind == "sensitivity":
@@ -216,7 +216,7 @@ def judge(claim, arms: dict[str, Any], base: str, better: float, n_boot: int) ->
                        note="set sensitivity: true in the experiment")
         else:
             p, lo, hi = ratio_of_means_ci(b["sensitivity"]["mean_per_seed"], a["sensitivity"]["mean_per_seed"],
-                                          n_boot)
+                                          n_boot, paired=True)
             out.update(value=p, ci_low=lo, ci_high=hi,
                        verdict=verdict(lo, hi, claim.threshold, higher_is_better=not lower))
     return out

@@ -54,7 +54,10 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         f"{_f(rep['targets']['final'], 4)}, half-budget {_f(rep['targets']['half'], 4)}",
         "", "## Speed-up and final quality", "",
         "Steps to reach each target on the seed-mean curve (linear interpolation between evaluations), speed-up "
-        "= baseline steps / arm steps, and a 95% CI from resampling seeds. Final: mean +- sd over seeds.", "",
+        "= baseline steps / arm steps, and a 95% CI from resampling seeds (paired: the same seeds in both arms). "
+        "An arm whose mean curve never reaches a target within the budget has speed-up 0 ('never'). "
+        f"With {len(rep['seeds'])} seeds a resample can take only a few distinct values, so the CIs are coarse. "
+        "Final: mean +- sd over seeds.", "",
         "| arm | steps to final target | speed-up (95% CI) | steps to half target | speed-up (95% CI) | "
         "final metric | diverged |",
         "|---|---|---|---|---|---|---|",

@@ -18,6 +18,10 @@ relative to the baseline? Definitions (all pure functions of the logged curves, 
   value would be missed by half of all baseline resamples (they end just above it), which says nothing
   about the arm. A resample in which the arm never reaches the target contributes a speed-up of 0;
   percentiles are taken without interpolation so such values stay meaningful.
+* Paired seeds: in an experiment every arm runs the same seeds, and seed s fixes the data order, the noise
+  levels and the noise of every step (and most of the initial weights) in every arm. Arms are then compared
+  seed by seed: the bootstrap draws one set of seed indices and uses it for both arms (`paired=True`), so
+  the seed-to-seed spread that both arms share cancels, as in a paired t-test.
 """
 
 from __future__ import annotations
@@ -111,12 +115,13 @@ def percentile_ci(samples: Sequence[float], level: float = 0.95) -> tuple[float,
 
 def speedup_ci(steps: Sequence[float], base_curves: np.ndarray, arm_curves: np.ndarray, target: str = "final",
                lower_is_better: bool = True, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-               same_arm: bool = False) -> SpeedUp:
+               paired: bool = False) -> SpeedUp:
     """Speed-up of the arm over the baseline at the baseline's `target` ("final" | "half"), with a seed-
     bootstrap CI (see the module docstring).
 
     `base_curves`, `arm_curves`: (seeds, len(steps)) arrays on the shared grid, already `fill_diverged`.
-    `same_arm`: the arm is the baseline itself (resampled together with it: speed-up exactly 1).
+    `paired`: row i of both arrays comes from the same seed; resample rows jointly (the baseline against
+    itself then gives exactly 1).
     """
     base_curves = np.asarray(base_curves, dtype=np.float64)
     arm_curves = np.asarray(arm_curves, dtype=np.float64)
@@ -132,7 +137,7 @@ def speedup_ci(steps: Sequence[float], base_curves: np.ndarray, arm_curves: np.n
     ratios = np.empty(n_boot)
     for i in range(n_boot):
         bi = rng.integers(0, len(base_curves), len(base_curves))
-        ai = bi if same_arm else rng.integers(0, len(arm_curves), len(arm_curves))
+        ai = bi if paired else rng.integers(0, len(arm_curves), len(arm_curves))
         _, bb, ab = one(base_curves[bi], arm_curves[ai])
         ratios[i] = _ratio(bb, ab)
     lo, hi = percentile_ci(ratios, level)
@@ -140,8 +145,9 @@ def speedup_ci(steps: Sequence[float], base_curves: np.ndarray, arm_curves: np.n
 
 
 def ratio_of_means_ci(base: Sequence[float], arm: Sequence[float], n_boot: int = 2000, seed: int = 0,
-                      level: float = 0.95) -> tuple[float, float, float]:
-    """mean(arm) / mean(base) with a seed-bootstrap percentile CI: for stability statistics and final metrics."""
+                      level: float = 0.95, paired: bool = False) -> tuple[float, float, float]:
+    """mean(arm) / mean(base) with a seed-bootstrap percentile CI: for stability statistics and final metrics.
+    `paired`: entry i of both comes from the same seed; resample them jointly."""
     base = np.asarray(base, dtype=np.float64)
     arm = np.asarray(arm, dtype=np.float64)
     if len(base) == 0 or len(arm) == 0:
@@ -149,8 +155,11 @@ def ratio_of_means_ci(base: Sequence[float], arm: Sequence[float], n_boot: int =
     rng = np.random.default_rng(seed)
     with np.errstate(divide="ignore", invalid="ignore"):
         point = float(arm.mean() / base.mean())
-        boots = [arm[rng.integers(0, len(arm), len(arm))].mean() / base[rng.integers(0, len(base), len(base))].mean()
-                 for _ in range(n_boot)]
+        boots = []
+        for _ in range(n_boot):
+            bi = rng.integers(0, len(base), len(base))
+            ai = bi if paired else rng.integers(0, len(arm), len(arm))
+            boots.append(arm[ai].mean() / base[bi].mean())
     lo, hi = percentile_ci(boots, level)
     return point, lo, hi
 
