@@ -371,16 +371,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def read_yaml(path: str | Path, what: str, example: str) -> Any:
+    """A YAML file's contents ({} when empty); a missing or malformed file is a one-line ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} not found; pass an existing YAML file, e.g. {example}")
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p} is not valid YAML ({str(e).splitlines()[0]})") from e
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found; pass an existing YAML file, e.g. configs/demo.yaml")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from e
+    data: dict[str, Any] = {} if path is None else read_yaml(path, "config file", "configs/demo.yaml")
     return config_from_dict(apply_overrides(data, overrides or []))
 
 

@@ -24,14 +24,14 @@ class ExperimentError(RuntimeError):
     """Runs are missing or inconsistent; the message names the fix."""
 
 
-def _nan_to_none(x: Any) -> Any:
+def _json_safe(x: Any) -> Any:
     """JSON has no inf/nan: write them as strings a reader can still parse with float()."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
+        return {k: _json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_nan_to_none(v) for v in x]
+        return [_json_safe(v) for v in x]
     return x
 
 
@@ -182,7 +182,7 @@ def analyse(exp: Experiment, out: Path, command: str = "") -> dict[str, Any]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s_total": float(sum(a["wall_s"] for a in arms.values())),
     }
-    atomic_write_text(out / "results.json", json.dumps(_nan_to_none(report), indent=1) + "\n")
+    atomic_write_text(out / "results.json", json.dumps(_json_safe(report), indent=1) + "\n")
     return report
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, apply_overrides, config_from_dict
+from ..config import ConfigError, apply_overrides, config_from_dict, read_yaml
 
 CLAIM_KINDS = ("speedup", "final", "stability", "sensitivity")
 STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes")
@@ -77,7 +77,7 @@ class Experiment:
                 for k, v in pairs.items()] + list(extra or [])
 
     def run_config(self, arm: str, seed: int, extra: list[str] | None = None):
-        data = yaml.safe_load(self.base.read_text()) or {}
+        data = read_yaml(self.base, "experiment base config", "configs/demo.yaml")
         return config_from_dict(apply_overrides(data, self.overrides(arm, seed, extra)))
 
 
@@ -97,12 +97,7 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
     """Read and validate an experiment file; every arm's config is built once here so errors show up
     before any training starts."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file {path} not found; pass e.g. experiments/scalelong-unet.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"experiment file {path} is not valid YAML ({str(e).splitlines()[0]})") from e
+    raw = read_yaml(path, "experiment file", "experiments/scalelong-unet.yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"experiment file {path} must be a mapping with keys {', '.join(sorted(_KEYS))}")
     unknown = sorted(set(raw) - _KEYS)
