@@ -208,7 +208,7 @@ def time_config(name: str, file: str, batch: int, device: torch.device, tiny: bo
         "final_loss": float(loss),
     }
     if profile_path is not None:
-        profile(step, (x, labels, t, noise), device, profile_path)
+        row["time_shares"] = profile(step, (x, labels, t, noise), device, profile_path)
         row["profile"] = str(profile_path)
     del model, step
     if device.type == "cuda":
@@ -216,8 +216,9 @@ def time_config(name: str, file: str, batch: int, device: torch.device, tiny: bo
     return row
 
 
-def profile(step, args, device: torch.device, out: Path, steps: int = 3, top: int = 25) -> None:
-    """torch.profiler table of the `top` ops by self time (device time on CUDA) over `steps` steps, to `out`."""
+def profile(step, args, device: torch.device, out: Path, steps: int = 3, top: int = 25) -> dict[str, float]:
+    """torch.profiler table of the `top` ops by self time (device time on CUDA) over `steps` steps, to `out`;
+    returns the share of time per op category (`op_breakdown`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -229,6 +230,33 @@ def profile(step, args, device: torch.device, out: Path, steps: int = 3, top: in
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(prof.key_averages().table(sort_by=key, row_limit=top) + "\n")
+    return op_breakdown(prof, device)
+
+
+# Op-name fragments of each category, checked in order; the first that matches wins.
+OP_CATEGORIES = [
+    ("convolution", ("conv",)),
+    ("matmul + attention", ("addmm", "aten::mm", "bmm", "matmul", "linear", "scaled_dot_product", "attention")),
+    ("normalisation", ("group_norm", "layer_norm", "batch_norm", "rms_norm")),
+    ("optimiser + EMA", ("optimizer", "_foreach", "adam", "lerp")),
+]
+
+
+def op_breakdown(prof, device: torch.device) -> dict[str, float]:
+    """Share of the step's self time (device time on CUDA) per op category, from a finished profiler.
+
+    Self times do not double count nested ops, so the shares add up to 1. Convolutions and matmuls are where
+    the FLOPs are; everything else (activations, norms, copies, the optimiser) is time an implementation of
+    the same FLOPs with the same kernels could at best remove: 1 / (conv + matmul share) bounds its speed-up.
+    """
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    totals: dict[str, float] = {c: 0.0 for c, _ in OP_CATEGORIES} | {"other": 0.0}
+    for ev in prof.key_averages():
+        name = ev.key.lower()
+        cat = next((c for c, frags in OP_CATEGORIES if any(f in name for f in frags)), "other")
+        totals[cat] += float(getattr(ev, attr, 0.0) or 0.0)
+    whole = sum(totals.values()) or 1.0
+    return {c: v / whole for c, v in totals.items()}
 
 
 def device_name(device: torch.device) -> str:

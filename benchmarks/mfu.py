@@ -72,9 +72,10 @@ def main() -> None:
                "mfu": r0["flops_per_step"] / dt / peaks[prec], "ms_per_step_rounds": [r["ms_per_step"] for r in rows]}
         if not args.no_profile:  # a separate short run: the profiler's overhead stays out of the timings
             target = out.parent / f"{out.name}_profile_{name}_{prec}.txt"
-            time_config(name, FILES[name], args.batch, device, args.tiny, prec == "bf16", 1, 1, peaks[prec],
-                        profile_path=target)
+            prof = time_config(name, FILES[name], args.batch, device, args.tiny, prec == "bf16", 1, 1, peaks[prec],
+                               profile_path=target)
             res["profile"] = target.name
+            res["time_shares"] = prof["time_shares"]
         results.append(res)
         print(f"{name} {prec}: {res['flops_per_step'] / 1e9:.2f} GFLOP/step, {res['images_per_s']:.1f} img/s, "
               f"{res['achieved_flops'] / 1e9:.1f} GFLOP/s, MFU {100 * res['mfu']:.1f}%", flush=True)
@@ -96,6 +97,20 @@ def main() -> None:
                      f"{r['flops_per_step'] / 1e9:.2f} | {r['ms_per_step']:.1f} | {r['images_per_s']:.1f} | "
                      f"{r['achieved_flops'] / 1e9:.1f} | "
                      f"{100 * r['mfu']:.1f}% | {r.get('profile', '-')} |")
+    shared = [r for r in results if "time_shares" in r]
+    if shared:
+        cats = list(shared[0]["time_shares"])
+        lines += ["", "## Where the time goes", "",
+                  "Share of the step's self time per op category (torch.profiler, 3 steps, separate from the timed "
+                  "runs). Convolutions and matmuls carry the FLOPs; the rest is time the same FLOPs on the same "
+                  "kernels could at best save, so 1 / (conv + matmul share) bounds the speed-up of any "
+                  "re-implementation that keeps the kernels.", "",
+                  "| model | precision | " + " | ".join(cats) + " | bound |", "|---|---|" + "---|" * (len(cats) + 1)]
+        for r in shared:
+            sh = r["time_shares"]
+            flop_share = sh["convolution"] + sh["matmul + attention"]
+            lines.append(f"| {r['config']} | {r['precision']} | " + " | ".join(f"{100 * sh[c]:.1f}%" for c in cats)
+                         + f" | {1 / max(flop_share, 1e-9):.2f}x |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')}, .md and the profiles")
 

@@ -34,6 +34,8 @@ from steadydiff.diffusion import VPSDE
 from steadydiff.nn import build_model
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from gpu_check import op_breakdown  # noqa: E402  (a sibling script, not a package)
 
 
 def diffusers_unet(target_params: int, resolution: int):
@@ -102,6 +104,27 @@ class OfficialAdapter(torch.nn.Module):
         return self.net(x, t)
 
 
+def train_flops(model, sde, x) -> int:
+    """FLOPs of one training step's forward + backward (torch.utils.flop_counter: matmuls, convolutions,
+    attention), so that "matched FLOPs" is checked, not assumed."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        sde.loss(model, x, generator=torch.Generator().manual_seed(0)).float().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+def time_shares(model, sde, x, bf16: bool) -> dict[str, float]:
+    """Share of a step's time per op category (gpu_check.op_breakdown), over 2 profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        time_steps(model, sde, x, 2, bf16)
+    return op_breakdown(prof, torch.device("cpu"))
+
+
 def compare(mine, ref, sde, x, bf16: bool, rounds: int, steps: int) -> dict:
     for m in (mine, ref):  # warm-up
         time_steps(m, sde, x, 2, bf16)
@@ -110,7 +133,9 @@ def compare(mine, ref, sde, x, bf16: bool, rounds: int, steps: int) -> dict:
         times["mine"].append(time_steps(mine, sde, x, steps, bf16))
         times["ref"].append(time_steps(ref, sde, x, steps, bf16))
     med = {k: statistics.median(v) for k, v in times.items()}
+    shares = {k: time_shares(m, sde, x, bf16) for k, m in (("mine", mine), ("ref", ref))}
     return {
+        "steadydiff_time_shares": shares["mine"], "reference_time_shares": shares["ref"],
         "steadydiff_img_per_s": x.shape[0] / med["mine"],
         "reference_img_per_s": x.shape[0] / med["ref"],
         "ratio": med["ref"] / med["mine"],
@@ -147,6 +172,7 @@ def main() -> None:
     n_theirs = sum(p.numel() for p in theirs.parameters())
     sde = VPSDE()
     x = torch.randn(args.batch, 1, 28, 28)
+    flops = {"steadydiff": train_flops(ours, sde, x), "diffusers": train_flops(theirs, sde, x)}
     pairs = [("unet", "diffusers UNet2DModel", ours, theirs)]
     if args.official_uvit:
         pairs.append(("uvit", "official U-ViT", *uvit_pair(args.official_uvit)))
@@ -167,6 +193,7 @@ def main() -> None:
                    f"torch {torch.__version__}",
         "batch": args.batch, "resolution": 28,
         "steadydiff_params": n_ours, "diffusers_params": n_theirs, "diffusers_base_channels": base,
+        "unet_flops_per_step": flops,
         "results": results,
     }
     out = Path(args.out)
@@ -177,7 +204,9 @@ def main() -> None:
         f"- command: `{meta['command']}`", f"- date: {meta['date']}", f"- machine: {meta['machine']}",
         f"- batch {args.batch}, 28x28x1, one step = VP loss + backward + AdamW; medians of {args.rounds} "
         f"interleaved rounds of {args.steps} steps",
-        f"- UNet parameters: steadydiff {n_ours:,}, diffusers {n_theirs:,} (base channels {base})",
+        f"- UNet parameters: steadydiff {n_ours:,}, diffusers {n_theirs:,} (base channels {base}); FLOPs per "
+        f"training step (forward + backward, batch {args.batch}): steadydiff {flops['steadydiff'] / 1e9:.2f} G, "
+        f"diffusers {flops['diffusers'] / 1e9:.2f} G",
         "- U-ViT: configs/uvit-fashion.yaml, the official model built at the same config with the same weights", "",
         "| model | reference | precision | steadydiff img/s | reference img/s | speed ratio (ours / ref) |",
         "|---|---|---|---|---|---|",
@@ -185,6 +214,17 @@ def main() -> None:
     for r in results:
         lines.append(f"| {r['model']} | {r['reference']} | {r['precision']} | {r['steadydiff_img_per_s']:.1f} | "
                      f"{r['reference_img_per_s']:.1f} | {r['ratio']:.2f}x |")
+    lines += ["", "## Where the time goes", "",
+              "Share of each model's step time in convolutions + matmuls/attention (the FLOPs), from torch.profiler "
+              "(2 steps, after the timings). Both models run the same FLOPs on the same kernels, so only the rest "
+              "can differ: 1 / (the reference's conv + matmul share) bounds how much faster than the reference "
+              "any implementation of the same layers can be.", "",
+              "| model | precision | steadydiff conv + matmul | reference conv + matmul | bound on ours / ref |",
+              "|---|---|---|---|---|"]
+    for r in results:
+        fm, fr = (r[k]["convolution"] + r[k]["matmul + attention"]
+                  for k in ("steadydiff_time_shares", "reference_time_shares"))
+        lines.append(f"| {r['model']} | {r['precision']} | {100 * fm:.1f}% | {100 * fr:.1f}% | {1 / fr:.2f}x |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')} and .md")
 

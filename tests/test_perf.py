@@ -212,3 +212,47 @@ def test_gpu_check_runs_in_tiny_cpu_mode(tmp_path):
     for r in res["timing"]:
         assert r["images_per_s"] > 0 and r["flops_per_step"] > 0 and r["mfu"] > 0
     assert "| config |" in proc.stdout
+
+
+def _gpu_check_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    return gpu_check
+
+
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_op_breakdown_names_the_op_that_dominates(kind):
+    """A step that is one large conv (or matmul) puts most of its time in that category; shares add up to 1."""
+    from torch.profiler import ProfilerActivity, profile
+
+    op_breakdown = _gpu_check_module().op_breakdown
+    torch.manual_seed(0)
+    if kind == "conv":
+        net, x, cat = nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.randn(16, 64, 32, 32), "convolution"
+    else:
+        net, x, cat = nn.Linear(2048, 2048, bias=False), torch.randn(256, 2048), "matmul + attention"
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            net(x).sum().backward()  # one cheap reduction: the layer dominates
+    shares = op_breakdown(prof, torch.device("cpu"))
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-9)
+    assert shares[cat] > 0.5, shares
+    assert max(shares, key=shares.get) == cat
+
+
+def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speed_switches.py"), "--device", "cpu",
+                           "--tiny", "--rounds", "2", "--steps", "1", "--warmup", "1", "--configs", "demo",
+                           "--variants", "channels_last", "optimizer plain loop", "grad checkpointing",
+                           "--out", str(tmp_path / "ss")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "ss.json").read_text())
+    rows = {r["variant"]: r for r in res["results"]}
+    assert list(rows) == ["default", "channels_last", "optimizer plain loop", "grad checkpointing"]
+    assert rows["default"]["per_round_speedup"] == [1.0, 1.0]  # the reference against itself
+    assert all(r["ms_per_step"] > 0 and len(r["per_round_speedup"]) == 2 for r in rows.values())
+    assert "| demo | channels_last |" in (tmp_path / "ss.md").read_text()
