@@ -210,6 +210,15 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     assert len(stamps) == 6
     assert main(["compare", str(path), "--out", str(out), "--quiet"]) == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/result.json")}
+    # A report regenerated later quotes the command that trained the runs, and says how it was regenerated.
+    ran = f"steadydiff compare {path} --out {out} --quiet"
+    assert (out / "command.txt").read_text().strip() == ran
+    assert main(["compare", str(path), "--out", str(out), "--report-only"]) == 0
+    md = (out / "report.md").read_text()
+    assert f"- Command: `{ran}`" in md
+    regen = f"steadydiff compare {path} --out {out} --report-only"
+    assert f"- Report regenerated from the finished runs by: `{regen}`" in md
+    assert json.loads((out / "results.json").read_text())["command"] == ran
 
 
 def test_report_only_without_runs_is_a_clear_error(tmp_path, capsys):

@@ -217,14 +217,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     import shlex
 
     from .experiments import analyse, load_experiment, plot_experiment, run_experiment, write_markdown
+    from .utils.io import atomic_write_text
 
     exp = load_experiment(args.experiment, args.set)
     out = Path(args.out)
-    if not args.report_only:
-        run_experiment(exp, out, args.set, workers=args.workers, show_progress=not args.quiet)
     argv = args.argv if args.argv is not None else sys.argv[1:]
     command = "steadydiff " + " ".join(shlex.quote(a) for a in argv)
-    rep = analyse(exp, out, command=command)
+    ran_by = out / "command.txt"  # the command that trained the runs, quoted by reports regenerated later
+    report_command = ""
+    if not args.report_only:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(ran_by, command + "\n")
+        run_experiment(exp, out, args.set, workers=args.workers, show_progress=not args.quiet)
+    elif ran_by.is_file():
+        command, report_command = ran_by.read_text().strip(), command
+    rep = analyse(exp, out, command=command, report_command=report_command)
     write_markdown(rep, out)
     plot_experiment(exp, rep, out)
     for c in rep["claims"]:

@@ -123,7 +123,7 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
         return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
-def analyse(exp: Experiment, out: Path, command: str = "") -> dict[str, Any]:
+def analyse(exp: Experiment, out: Path, command: str = "", report_command: str = "") -> dict[str, Any]:
     """Everything report.md and the plots show, as one JSON-able dict (also written to results.json)."""
     out = Path(out)
     grid, curves, results = metric_curves(exp, out)
@@ -176,7 +176,8 @@ def analyse(exp: Experiment, out: Path, command: str = "") -> dict[str, Any]:
     verdicts = [judge(claim, arms, base, better, exp.bootstrap) for claim in exp.claims]
     report = {
         "experiment": exp.name, "description": exp.description, "source": str(exp.source),
-        "command": command, "metric": exp.metric, "lower_is_better": exp.lower_is_better,
+        "command": command, "report_command": report_command, "metric": exp.metric,
+        "lower_is_better": exp.lower_is_better,
         "baseline": base, "seeds": exp.seeds, "grid": grid, "targets": targets, "arms": arms,
         "claims": verdicts, "machine": machine_info(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -44,6 +44,8 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         f"# Experiment: {rep['experiment']}", "",
         rep["description"].strip(), "",
         f"- Command: `{rep['command']}`" if rep["command"] else "",
+        f"- Report regenerated from the finished runs by: `{rep['report_command']}`" if rep.get("report_command")
+        else "",
         f"- Experiment file: `{rep['source']}`",
         f"- Machine: {m['cpu']}, {m['cores']} cores{', ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}, "
         f"python {m['python']}",
