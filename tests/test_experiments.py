@@ -275,3 +275,21 @@ def test_paired_seeds_cancel_the_spread_both_arms_share():
     assert unpaired.ci_high - unpaired.ci_low > 0.5  # the shared spread shows up when arms are resampled apart
     p, lo, hi = ratio_of_means_ci([1.0, 2.0, 3.0], [0.9, 1.8, 2.7], n_boot=300, paired=True)
     assert (p, lo, hi) == pytest.approx((0.9, 0.9, 0.9))
+
+
+def test_final_claim_versus_another_arm_compares_with_that_arm():
+    """`versus` on a final claim uses the named arm's finals, not the baseline's (paired, lower is better)."""
+    from steadydiff.experiments.analysis import judge
+    from steadydiff.experiments.spec import Claim
+
+    arms = {"base": {"final_per_seed": [10.0, 12.0, 14.0], "final_ratio": {"ratio": 1.0, "ci_low": 1.0,
+                                                                          "ci_high": 1.0}},
+            "a": {"final_per_seed": [5.0, 6.0, 7.0], "final_ratio": {"ratio": 0.5, "ci_low": 0.5, "ci_high": 0.5}},
+            "b": {"final_per_seed": [4.0, 4.8, 5.6]}}
+    vs_base = judge(Claim(name="a better", arm="a", kind="final"), arms, "base", 1.0, 500)
+    assert vs_base["versus"] == "base" and vs_base["value"] == 0.5 and vs_base["verdict"] == "holds"
+    vs_b = judge(Claim(name="a better than b", arm="a", kind="final", versus="b"), arms, "base", 1.0, 500)
+    # a / b = 1.25 on every seed, so every paired resample gives 1.25 too: a is worse than b.
+    assert vs_b["versus"] == "b"
+    assert vs_b["value"] == pytest.approx(1.25) and vs_b["ci_low"] == pytest.approx(1.25)
+    assert vs_b["ci_high"] == pytest.approx(1.25) and vs_b["verdict"] == "does not hold"

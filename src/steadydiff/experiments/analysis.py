@@ -199,9 +199,13 @@ def judge(claim, arms: dict[str, Any], base: str, better: float, n_boot: int) ->
         out.update(value=s["speedup"], ci_low=s["ci_low"], ci_high=s["ci_high"], target=claim.target,
                    verdict=verdict(s["ci_low"], s["ci_high"], claim.threshold, higher_is_better=True))
     elif claim.kind == "final":
-        r = a["final_ratio"]
-        out.update(value=r["ratio"], ci_low=r["ci_low"], ci_high=r["ci_high"],
-                   verdict=verdict(r["ci_low"], r["ci_high"], claim.threshold, higher_is_better=better < 0))
+        if versus == base:  # the ratio the arm table shows
+            r = a["final_ratio"]
+            p, lo, hi = r["ratio"], r["ci_low"], r["ci_high"]
+        else:
+            p, lo, hi = ratio_of_means_ci(b["final_per_seed"], a["final_per_seed"], n_boot, paired=True)
+        out.update(value=p, ci_low=lo, ci_high=hi,
+                   verdict=verdict(lo, hi, claim.threshold, higher_is_better=better < 0))
     elif claim.kind == "stability":
         if claim.series not in a["stability"] or claim.series not in b["stability"]:
             out.update(value=math.nan, ci_low=math.nan, ci_high=math.nan, verdict="inconclusive",
