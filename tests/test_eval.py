@@ -67,3 +67,48 @@ def test_eval_fd_fmnist_kid_precision_recall_on_a_fashion_run(tmp_path, capsys):
     assert m["fd_fmnist"] > 10 * fd_real  # 2 training steps: far from the data
     assert 0 <= m["precision"] <= 1 and 0 <= m["recall"] <= 1 and m["kid"] > 0
     assert torch.isfinite(torch.tensor(list(m.values()))).all()
+
+
+@pytest.mark.parametrize("sampler", ["em", "dpmpp2m"])  # stochastic and deterministic
+def test_sample_chunks_do_not_depend_on_how_they_are_shared_out(sampler, one_thread):
+    """The contract distributed evaluation rests on: chunk k is a pure function of (seed, k, batch)."""
+    import torch
+
+    from steadydiff.diffusion import build_formulation
+    from steadydiff.nn import build_model
+    from steadydiff.train.loop import generate, generate_chunks
+
+    torch.manual_seed(0)
+    cfg = load_config(None, TOY)
+    sde = build_formulation(cfg.diffusion)
+    model = sde.wrap(build_model(cfg.model, (2,)))
+    whole = generate(model, sde, (2,), 10, sampler, 4, seed=3, batch=4)
+    parts = {}
+    for rank in range(3):  # three "processes": rank r draws chunks r, r + 3, ...
+        mine = generate_chunks(model, sde, (2,), 10, sampler, 4, 3, batch=4, rank=rank, world_size=3)
+        assert sorted(mine) == list(range(rank, 3, 3))
+        parts.update(mine)
+    assert [len(parts[k]) for k in range(3)] == [4, 4, 2]
+    assert torch.equal(torch.cat([parts[k] for k in range(3)]), whole)
+    # more samples leave the earlier full chunks unchanged
+    assert torch.equal(generate(model, sde, (2,), 8, sampler, 4, seed=3, batch=4), whole[:8])
+    assert not torch.allclose(whole[:4], whole[4:8])  # chunks are independent streams, not copies
+    # up to one chunk: exactly what one generator seeded with `seed` draws (the behaviour before chunking)
+    g = torch.Generator().manual_seed(3)
+    x_T = torch.randn((4, 2), generator=g)
+    ref = sde.generate(model, x_T, sampler, 4, None, generator=g, clip=False)
+    assert torch.equal(generate(model, sde, (2,), 4, sampler, 4, seed=3, batch=4), ref)
+
+
+def test_merge_chunks_restores_chunk_order_across_ranks():
+    import torch
+
+    from steadydiff.metrics.evaluate import merge_chunks
+
+    a, b, c = torch.zeros(4, 3), torch.ones(4, 3), torch.full((2, 3), 2.0)
+    # rank 0 drew chunks 0 and 2, rank 1 chunk 1 (the round-robin of generate_chunks)
+    assert torch.equal(merge_chunks([{0: a, 2: c}, {1: b}]), torch.cat([a, b, c]))
+    with pytest.raises(ValueError, match="two processes"):
+        merge_chunks([{0: a}, {0: a}])
+    with pytest.raises(ValueError, match="not 0..1"):
+        merge_chunks([{0: a}, {2: c}])

@@ -84,6 +84,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    """Under `torchrun --nproc_per_node=N -m steadydiff.cli eval ...` the N processes share the sampling and
+    feature extraction; rank 0 writes the result, which is the same as one process's."""
     import json
 
     import torch
@@ -91,6 +93,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .data import load_dataset
     from .metrics.evaluate import evaluate, parse_metrics
     from .train import load_run_model
+    from .train.distributed import init_distributed, local_main_first, shutdown_distributed
     from .train.loop import pick_device
     from .utils.io import atomic_write_text
 
@@ -105,14 +108,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                           f"{', '.join(formulation.samplers)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dataset = load_dataset(cfg.data)
-    res = evaluate(model.to(device), formulation, cfg, dataset, metrics, args.n, sampler, args.steps, args.seed,
-                   device, clip=not args.no_clip, ref_n=args.ref_n)
-    record = {"step": ckpt.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
-              "weights": "raw" if args.no_ema else "ema", "ref_n": args.ref_n, "metrics": res}
-    atomic_write_text(out, json.dumps(record, indent=2) + "\n")
-    print(" ".join(f"{k}={v:.5g}" for k, v in res.items()) + f"  -> {out}")
+    info, device = init_distributed(pick_device(args.device))
+    try:
+        with local_main_first(info):  # a first run may download the data: once per node
+            dataset = load_dataset(cfg.data)
+        res = evaluate(model.to(device), formulation, cfg, dataset, metrics, args.n, sampler, args.steps, args.seed,
+                       device, clip=not args.no_clip, ref_n=args.ref_n, batch=args.batch, dist_info=info)
+        if info.is_main:
+            record = {"step": ckpt.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
+                      "batch": args.batch, "weights": "raw" if args.no_ema else "ema", "ref_n": args.ref_n,
+                      "processes": info.world_size, "metrics": res}
+            atomic_write_text(out, json.dumps(record, indent=2) + "\n")
+            print(" ".join(f"{k}={v:.5g}" for k, v in res.items()) + f"  -> {out}")
+    finally:
+        shutdown_distributed(info)
     return 0
 
 
@@ -302,10 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, sw, mmd)")
     e.add_argument("run", help="run directory (or a phema output directory)")
     e.add_argument("--metric", default="fd_fmnist", help="comma-separated metrics, e.g. fd_fmnist,kid,fid")
-    e.add_argument("--n", type=_count, default=5000, help="number of samples")
+    e.add_argument("--n", "--num-samples", dest="n", type=_count, default=5000,
+                   help="number of samples (under torchrun write --num-samples: torchrun reads --n as its own)")
     e.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m", "heun", "euler"])
     e.add_argument("--steps", type=_count, default=50)
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--batch", type=_count, default=256, help="samples per chunk; each chunk has its own seed, and "
+                   "under torchrun the chunks are shared out over the processes (default: 256)")
     e.add_argument("--ref-n", type=_count, help="reference statistics over this many training images (default: all; "
                    "Inception on a CPU: ~6 img/s)")
     e.add_argument("--no-ema", action="store_true")

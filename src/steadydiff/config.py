@@ -116,6 +116,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between quick evals written as eval/<metric> to metrics.jsonl (0: off)
     eval_metrics: list[str] = field(default_factory=list)  # e.g. [fd_fmnist] or [sw] (toy2d)
     eval_n: int = 256  # samples per periodic eval
+    eval_batch: int = 256  # samples per sampling chunk (own seed each); under torchrun the chunks are shared out
     threads: int | None = None  # torch intra-op threads; null keeps torch's default
     # Speed switches. All off by default: none has been timed on a GPU yet (benchmarks/gpu_check.py measures
     # them); each leaves the losses equal to the plain step within fp32 round-off (tests/test_perf.py).
@@ -279,8 +280,9 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be > 0 or null, got {v}")
     if not 0 <= t.momentum_beta_end <= t.betas[0]:
         raise ConfigError(f"train.momentum_beta_end must be in [0, betas[0]], got {t.momentum_beta_end}")
-    if t.eval_every < 0 or t.eval_n <= 0:
-        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_n > 0, got {t.eval_every}, {t.eval_n}")
+    if t.eval_every < 0 or t.eval_n <= 0 or t.eval_batch <= 0:
+        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_n, train.eval_batch > 0, got "
+                          f"{t.eval_every}, {t.eval_n}, {t.eval_batch}")
     if t.eval_every and not t.eval_metrics:
         raise ConfigError("train.eval_every > 0 needs train.eval_metrics, e.g. [fd_fmnist] or [sw]")
     if t.eval_metrics:

@@ -21,16 +21,26 @@ from .distances import frechet_distance, gaussian_stats, kid, mmd_rbf, precision
 IMAGE_METRICS = ("fd_fmnist", "fid", "kid", "precision", "recall")
 POINT_METRICS = ("sw", "mmd")
 METRICS = IMAGE_METRICS + POINT_METRICS
+# What each metric needs of the generated set: features of an extractor, or the raw samples (SAMPLES).
+SAMPLES = "samples"
+NEEDS = {"fd_fmnist": "fmnist", "fid": "inception", "kid": "fmnist", "precision": "fmnist", "recall": "fmnist",
+         "sw": SAMPLES, "mmd": SAMPLES}
 
 
 class EvalContext:
-    """Lazily computed, shared pieces: real data, features per extractor, reference statistics."""
+    """Shared pieces of one evaluation: the generated set (its features per extractor, and the samples
+    themselves for point data), the real data, and reference statistics (computed lazily)."""
 
-    def __init__(self, samples: torch.Tensor, dataset, data_cfg, n: int, seed: int, device, ref_n: int | None):
-        self.samples, self.dataset, self.data_cfg, self.n, self.seed, self.device = (
-            samples, dataset, data_cfg, n, seed, device)
+    def __init__(self, fake: dict[str, torch.Tensor], dataset, data_cfg, n: int, seed: int, device,
+                 ref_n: int | None):
+        self.fake, self.dataset, self.data_cfg, self.n, self.seed, self.device = (
+            fake, dataset, data_cfg, n, seed, device)
         self.ref_n = ref_n
-        self._features: dict[tuple[str, str], torch.Tensor] = {}
+        self._real_features: dict[str, torch.Tensor] = {}
+
+    @property
+    def samples(self) -> torch.Tensor:
+        return self.fake[SAMPLES]
 
     def real(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed + 1)
@@ -43,11 +53,11 @@ class EvalContext:
         return get_extractor(name, device=self.device)
 
     def features(self, which: str, extractor: str) -> torch.Tensor:
-        key = (which, extractor)
-        if key not in self._features:
-            images = self.samples if which == "fake" else self.real()
-            self._features[key] = self.extractor(extractor).features(images).double().cpu()
-        return self._features[key]
+        if which == "fake":
+            return self.fake[extractor].double()
+        if extractor not in self._real_features:
+            self._real_features[extractor] = self.extractor(extractor).features(self.real()).double().cpu()
+        return self._real_features[extractor]
 
     def fd(self, extractor: str) -> float:
         from .reference import reference_stats
@@ -90,23 +100,57 @@ def parse_metrics(text: str | list[str], sample_ndim: int | None = None) -> list
     return names
 
 
+def merge_chunks(shards: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    """The chunks {k: tensor} held by the ranks, concatenated in chunk order (each k exactly once)."""
+    chunks = {}
+    for shard in shards:
+        for k, v in shard.items():
+            if k in chunks:
+                raise ValueError(f"chunk {k} was drawn by two processes")
+            chunks[k] = v
+    if sorted(chunks) != list(range(len(chunks))):
+        raise ValueError(f"chunks {sorted(chunks)} are not 0..{len(chunks) - 1}")
+    return torch.cat([chunks[k] for k in range(len(chunks))])
+
+
 def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampler: str, steps: int,
              seed: int = 0, device: torch.device | str = "cpu", clip: bool = True,
-             ref_n: int | None = None) -> dict[str, Any]:
-    """Draw `n` samples once and compute every metric on them. Returns {metric: value, ...}.
+             ref_n: int | None = None, batch: int = 256, dist_info=None) -> dict[str, Any]:
+    """Draw `n` samples once (in chunks of `batch`, see `generate_chunks`) and compute every metric on them.
+    Returns {metric: value, ...}.
 
     `ref_n`: reference statistics (fd_fmnist, fid) over the first `ref_n` training images (default: all).
     Inception runs at ~6 images/s on 2 CPU cores, so on a CPU pass e.g. ref_n=2000 for `fid`; statistics
     over different ref_n are cached separately and FIDs are comparable only at equal (n, ref_n).
-    """
-    from ..train.loop import generate
 
+    `dist_info` (a `DistInfo` with world_size > 1, under torchrun): every process must call this; each draws
+    its share of the chunks and extracts their features, rank 0 gathers them and returns the metrics, the
+    other ranks return {}. The samples, and so the metrics, are those of a single-process call.
+    """
+    from ..train.distributed import DistInfo, gather_to_main, local_main_first
+    from ..train.loop import generate_chunks
+    from .features import get_extractor
+
+    info = dist_info if dist_info is not None else DistInfo()
     metrics = parse_metrics(metrics, len(dataset.sample_shape))
     if "fd_fmnist" in metrics or "kid" in metrics or "precision" in metrics or "recall" in metrics:
         if dataset.sample_shape[0] != 1 or dataset.sample_shape[1:] != (28, 28):
             raise ValueError("fd_fmnist/kid/precision/recall use the 28x28 grayscale Fashion-MNIST classifier; "
                              "use --metric fid for other image data")
-    samples = generate(model, formulation, dataset.sample_shape, n, sampler, steps, seed, device,
-                       cfg.model.num_classes, clip=clip)
-    ctx = EvalContext(samples, dataset, cfg.data, n, seed, device, ref_n)
+    chunks = generate_chunks(model, formulation, dataset.sample_shape, n, sampler, steps, seed, device,
+                             cfg.model.num_classes, batch=batch, clip=clip, rank=info.rank,
+                             world_size=info.world_size)
+    local: dict[str, dict[int, torch.Tensor]] = {}
+    for need in dict.fromkeys(NEEDS[m] for m in metrics):  # each extractor once, in a fixed order
+        if need == SAMPLES:
+            local[need] = chunks
+            continue
+        with local_main_first(info):  # a classifier not yet cached is trained once per node, not per process
+            extractor = get_extractor(need, device=device)
+        local[need] = {k: extractor.features(x).cpu() for k, x in chunks.items()}
+    parts = gather_to_main(local, info)
+    if parts is None:
+        return {}
+    fake = {need: merge_chunks([part[need] for part in parts]) for need in local}
+    ctx = EvalContext(fake, dataset, cfg.data, n, seed, device, ref_n)
     return {m: float(METRIC_FNS[m](ctx)) for m in metrics}

@@ -9,8 +9,10 @@ The division of labour (see `Trainer`):
   (seed, step) generators and takes its contiguous slice, so the trajectory does not depend on the number
   of processes (beyond the order of floating-point reductions);
 - gradients are averaged by DDP; the logged loss is all-reduced;
-- rank 0 alone writes files (checkpoints, metrics.jsonl, curves, samples, post-hoc EMA snapshots) and runs
-  the periodic evaluation; the other ranks wait for it at a barrier after each checkpoint.
+- rank 0 alone writes files (checkpoints, metrics.jsonl, curves, samples, post-hoc EMA snapshots); the
+  other ranks wait for it at a barrier after each checkpoint;
+- the periodic evaluation is shared: each rank draws its chunks of the samples and extracts their
+  features, rank 0 gathers them (`gather_to_main`) and computes the metrics.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import datetime
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
 
-# Rank 0 alone samples and evaluates while the others wait in a collective; the default NCCL timeout
-# (10 minutes) is too short for a large periodic eval. Override with STEADYDIFF_DIST_TIMEOUT (seconds).
+# Rank 0 alone computes the eval metrics (and, the first time, their reference statistics) while the others
+# wait in a collective; the default NCCL timeout (10 minutes) is too short for that. Override with
+# STEADYDIFF_DIST_TIMEOUT (seconds).
 DEFAULT_TIMEOUT_S = 3600
 
 
@@ -138,6 +142,18 @@ def all_reduce_sum(value: float, info: DistInfo, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return float(t)
+
+
+def gather_to_main(obj: Any, info: DistInfo) -> list[Any] | None:
+    """Every rank's `obj` (picklable; CPU tensors) as a list in rank order on rank 0, None on the others.
+
+    Pickled, so meant for modest payloads such as evaluation features (n x d floats), not model weights.
+    """
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
 
 
 def same_on_all_ranks(value: int, info: DistInfo, device: torch.device) -> bool:

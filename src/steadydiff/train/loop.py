@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 from torch import nn
@@ -84,7 +85,7 @@ RESUMABLE_CHANGES = {
     "train.device",
     "train.fault_nan_at_step", "train.fault_steps", "train.fault_kind", "train.fault_where", "train.nonfinite",
     "train.max_consecutive_skips", "train.phema_snapshot_every", "train.eval_every", "train.eval_metrics",
-    "train.eval_n",
+    "train.eval_n", "train.eval_batch",
     # speed switches: same losses within fp32 round-off (bitwise-exact resume needs them unchanged)
     "train.channels_last", "train.optimizer_impl", "train.compile", "train.peak_flops", "model.grad_checkpointing",
 }
@@ -512,12 +513,14 @@ class Trainer:
                         self.cfg.model.num_classes, clip=self.cfg.train.sample_clip)
 
     def evaluate(self) -> dict[str, float]:
-        """Quick eval of the EMA weights (train.eval_metrics on train.eval_n samples), keys `eval/<metric>`."""
+        """Quick eval of the EMA weights (train.eval_metrics on train.eval_n samples), keys `eval/<metric>`.
+        Collective under DDP: every rank draws its share of the samples; rank 0 gets the metrics, others {}."""
         from ..metrics.evaluate import evaluate
 
         t = self.cfg.train
         res = evaluate(self.ema.model, self.diffusion, self.cfg, self.dataset, t.eval_metrics, t.eval_n,
-                       t.sample_sampler, t.sample_steps, seed=t.seed, device=self.device, clip=t.sample_clip)
+                       t.sample_sampler, t.sample_steps, seed=t.seed, device=self.device, clip=t.sample_clip,
+                       batch=t.eval_batch, dist_info=self.dist)
         return {f"eval/{k}": v for k, v in res.items()}
 
     def _write_samples(self) -> None:
@@ -600,11 +603,13 @@ class Trainer:
                         plot_curves(log_path, self.run_dir / "curves.png")
                 if main and t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
                     self._write_samples()
-                # Periodic eval on rank 0 alone (the others wait in the next step's all-reduce): its samples
-                # are those of a single-process run, whatever the number of processes.
-                if main and t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    log.write(json.dumps({"step": self.step, **self.evaluate()}) + "\n")
-                    log.flush()
+                # Periodic eval, shared by all ranks (each samples its chunks; rank 0 gathers the features and
+                # scores them): its samples are those of a single-process run, whatever the number of processes.
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    res = self.evaluate()
+                    if main:
+                        log.write(json.dumps({"step": self.step, **res}) + "\n")
+                        log.flush()
         bar.close()
         if tb is not None:
             tb.close()
@@ -633,26 +638,53 @@ class _NullLog:
         pass
 
 
-@torch.no_grad()
-def generate(model, formulation, sample_shape, n: int, sampler: str, steps: int, seed: int,
-             device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
-             clip: bool = True) -> torch.Tensor:
-    """Draw `n` samples with one of the formulation's samplers; labels cycle 0..num_classes-1.
+def chunk_seed(seed: int, k: int) -> int:
+    """Seed of sample chunk k: `seed` itself for the first chunk (so a set of up to one chunk is what a plain
+    `torch.Generator().manual_seed(seed)` draws), an independent stream derived from (seed, k) for the rest."""
+    if k == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % 2**64, k]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
+
+@torch.no_grad()
+def generate_chunks(model, formulation, sample_shape, n: int, sampler: str, steps: int, seed: int,
+                    device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
+                    clip: bool = True, rank: int = 0, world_size: int = 1) -> dict[int, torch.Tensor]:
+    """{k: chunk k} for this process's share of `n` samples.
+
+    Chunk k holds samples [k * batch, min(n, (k + 1) * batch)) and draws its prior noise and any sampler
+    noise from its own generator (`chunk_seed(seed, k)`), so it is a pure function of (seed, k, batch): any
+    process can draw any chunk and the union does not depend on how they were shared out. This process
+    draws the chunks with k % world_size == rank. Labels cycle 0..num_classes-1 over the sample index.
     `clip`: for image data (in [-1, 1]) keep the denoised estimate in that range at every step; points
-    (toy2d) are never clipped. Samples are a pure function of `seed`.
+    (toy2d) are never clipped.
     """
+    if batch <= 0:
+        raise ValueError(f"batch must be > 0, got {batch}")
     model.eval()
-    out = []
-    g = torch.Generator(device=device).manual_seed(seed)
-    for start in range(0, n, batch):
+    out = {}
+    for k in range(rank, math.ceil(n / batch), world_size):
+        start = k * batch
         b = min(batch, n - start)
+        g = torch.Generator(device=device).manual_seed(chunk_seed(seed, k))
         x_T = torch.randn((b, *sample_shape), generator=g, device=device)
         labels = (torch.arange(start, start + b, device=device) % num_classes) if num_classes else None
         x = formulation.generate(model, x_T, sampler, steps, labels, generator=g,
                                  clip=clip and len(sample_shape) == 3)
-        out.append(x.float().cpu())
-    return torch.cat(out)
+        out[k] = x.float().cpu()
+    return out
+
+
+def generate(model, formulation, sample_shape, n: int, sampler: str, steps: int, seed: int,
+             device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
+             clip: bool = True) -> torch.Tensor:
+    """Draw `n` samples with one of the formulation's samplers, in chunks of `batch` (see `generate_chunks`);
+    a pure function of (seed, batch)."""
+    if n <= 0:
+        raise ValueError(f"n must be > 0, got {n}")
+    chunks = generate_chunks(model, formulation, sample_shape, n, sampler, steps, seed, device, num_classes,
+                             batch, clip)
+    return torch.cat([chunks[k] for k in sorted(chunks)])
 
 
 def load_run_model(run: str | Path, use_ema: bool = True):
