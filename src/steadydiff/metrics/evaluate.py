@@ -100,19 +100,6 @@ def parse_metrics(text: str | list[str], sample_ndim: int | None = None) -> list
     return names
 
 
-def merge_chunks(shards: list[dict[int, torch.Tensor]]) -> torch.Tensor:
-    """The chunks {k: tensor} held by the ranks, concatenated in chunk order (each k exactly once)."""
-    chunks = {}
-    for shard in shards:
-        for k, v in shard.items():
-            if k in chunks:
-                raise ValueError(f"chunk {k} was drawn by two processes")
-            chunks[k] = v
-    if sorted(chunks) != list(range(len(chunks))):
-        raise ValueError(f"chunks {sorted(chunks)} are not 0..{len(chunks) - 1}")
-    return torch.cat([chunks[k] for k in range(len(chunks))])
-
-
 def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampler: str, steps: int,
              seed: int = 0, device: torch.device | str = "cpu", clip: bool = True,
              ref_n: int | None = None, batch: int = 256, dist_info=None) -> dict[str, Any]:
@@ -128,12 +115,12 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
     other ranks return {}. The samples, and so the metrics, are those of a single-process call.
     """
     from ..train.distributed import DistInfo, gather_to_main, local_main_first
-    from ..train.loop import generate_chunks
+    from ..train.loop import generate_chunks, merge_chunks
     from .features import get_extractor
 
     info = dist_info if dist_info is not None else DistInfo()
     metrics = parse_metrics(metrics, len(dataset.sample_shape))
-    if "fd_fmnist" in metrics or "kid" in metrics or "precision" in metrics or "recall" in metrics:
+    if any(NEEDS[m] == "fmnist" for m in metrics):
         if dataset.sample_shape[0] != 1 or dataset.sample_shape[1:] != (28, 28):
             raise ValueError("fd_fmnist/kid/precision/recall use the 28x28 grayscale Fashion-MNIST classifier; "
                              "use --metric fid for other image data")

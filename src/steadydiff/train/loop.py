@@ -675,6 +675,19 @@ def generate_chunks(model, formulation, sample_shape, n: int, sampler: str, step
     return out
 
 
+def merge_chunks(shards: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    """The chunks {k: tensor} held by the ranks, concatenated in chunk order (each k exactly once)."""
+    chunks = {}
+    for shard in shards:
+        for k, v in shard.items():
+            if k in chunks:
+                raise ValueError(f"chunk {k} was drawn by two processes")
+            chunks[k] = v
+    if sorted(chunks) != list(range(len(chunks))):
+        raise ValueError(f"chunks {sorted(chunks)} are not 0..{len(chunks) - 1}")
+    return torch.cat([chunks[k] for k in range(len(chunks))])
+
+
 def generate(model, formulation, sample_shape, n: int, sampler: str, steps: int, seed: int,
              device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
              clip: bool = True) -> torch.Tensor:
@@ -684,7 +697,7 @@ def generate(model, formulation, sample_shape, n: int, sampler: str, steps: int,
         raise ValueError(f"n must be > 0, got {n}")
     chunks = generate_chunks(model, formulation, sample_shape, n, sampler, steps, seed, device, num_classes,
                              batch, clip)
-    return torch.cat([chunks[k] for k in sorted(chunks)])
+    return merge_chunks([chunks])
 
 
 def load_run_model(run: str | Path, use_ema: bool = True):
