@@ -64,7 +64,8 @@ def losses(run: Path) -> list[tuple[int, float]]:
 
 def soak(kills: int, steps: int, seed: int, workdir: Path) -> dict:
     from steadydiff.config import load_config
-    from steadydiff.train import Trainer, latest_checkpoint, read_checkpoint
+    from steadydiff.runs import latest_checkpoint, read_checkpoint
+    from steadydiff.train import Trainer
 
     rng = random.Random(seed)
     sets = TOY + [f"train.steps={steps}", f"train.seed={seed}"]

@@ -19,7 +19,7 @@ import torch
 
 from steadydiff.data import load_dataset
 from steadydiff.metrics import evaluate, get_extractor
-from steadydiff.train import load_run_model
+from steadydiff.runs import load_model
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -47,7 +47,8 @@ def main() -> None:
         rows.append({"extractor": name, "dim": ext.dim, "images_per_sec": len(images) / dt})
         print(f"{name}: {len(images) / dt:.1f} img/s", flush=True)
 
-    cfg, model, formulation, ckpt = load_run_model(args.run)
+    loaded = load_model(args.run)
+    cfg, model, formulation = loaded.cfg, loaded.model, loaded.formulation
     dataset = load_dataset(cfg.data)
     evals = []
     for metric, n, ref_n in (("fd_fmnist", args.n_fd, None), ("fid", args.n_fid, args.fid_ref_n)):
@@ -61,14 +62,14 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "run": str(args.run), "run_step": ckpt.step, "sampler": f"{args.sampler} {args.steps} steps, EMA weights",
+        "run": str(args.run), "run_step": loaded.step, "sampler": f"{args.sampler} {args.steps} steps, EMA weights",
         "extractors": rows, "evals": evals,
     }
     out = ROOT / "results" / "metrics"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     lines = ["# Metric costs", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
-             f"- machine: {meta['machine']}", f"- model: {args.run} at step {ckpt.step}; {meta['sampler']}", "",
+             f"- machine: {meta['machine']}", f"- model: {args.run} at step {loaded.step}; {meta['sampler']}", "",
              "| extractor | dim | images/s (28x28 input, batch 64) |", "|---|---|---|"]
     lines += [f"| {r['extractor']} | {r['dim']} | {r['images_per_sec']:.1f} |" for r in rows]
     lines += ["", "| eval | samples | reference images | value | wall time (sampling, features, reference stats "

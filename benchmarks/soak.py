@@ -83,7 +83,7 @@ def last_logged_step(run: Path) -> int:
 
 def check_run_dir(run: Path) -> dict:
     """What a kill left behind: every `step-*` checkpoint must load; `latest` must name a loadable one."""
-    from steadydiff.train.checkpoint import latest_checkpoint, read_checkpoint
+    from steadydiff.runs import latest_checkpoint, read_checkpoint
 
     ckdir = run / "checkpoints"
     dirs = sorted(p for p in ckdir.glob("step-*") if p.is_dir()) if ckdir.is_dir() else []
@@ -175,7 +175,7 @@ def compare_runs(a: Path, b: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from steadydiff.train.checkpoint import latest_checkpoint, read_checkpoint
+    from steadydiff.runs import latest_checkpoint, read_checkpoint
 
     ca = read_checkpoint(latest_checkpoint(a / "checkpoints"))
     cb = read_checkpoint(latest_checkpoint(b / "checkpoints"))

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from steadydiff.data import load_dataset
-from steadydiff.diagnostics.report import read_metrics
 from steadydiff.diffusion import build_formulation
 from steadydiff.experiments import load_experiment, run_dir
 from steadydiff.metrics.evaluate import evaluate
 from steadydiff.nn import build_model
+from steadydiff.runs import read_metrics
 from steadydiff.train.phema import list_snapshots, reconstruct
 from steadydiff.utils.io import atomic_write, atomic_write_text
 

@@ -295,7 +295,7 @@ def test_mixed_sizes_and_modes_are_accepted_and_normalised(tmp_path, capsys, one
     Image.fromarray(np.full((18, 18), 40000, np.uint16)).save(root / "e-16bit.png")
     code = main(["train", "--out", str(tmp_path / "run"), "--quiet", *FOLDER, *sets(f"data.root={root}")])
     assert code == 0, capsys.readouterr().err
-    from steadydiff.train import find_weights, read_checkpoint
+    from steadydiff.runs import find_weights, read_checkpoint
 
     assert read_checkpoint(find_weights(tmp_path / "run")).state["sample_shape"] == [3, 16, 16]
 

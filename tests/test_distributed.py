@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 
 import steadydiff
 from steadydiff.config import load_config
-from steadydiff.train import Trainer, latest_checkpoint, read_checkpoint
-from steadydiff.train.distributed import fingerprint
+from steadydiff.runs import latest_checkpoint, read_checkpoint
+from steadydiff.train import Trainer
+from steadydiff.utils.distributed import fingerprint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 

@@ -74,9 +74,8 @@ def test_sample_chunks_do_not_depend_on_how_they_are_shared_out(sampler, one_thr
     """The contract distributed evaluation rests on: chunk k is a pure function of (seed, k, batch)."""
     import torch
 
-    from steadydiff.diffusion import build_formulation
+    from steadydiff.diffusion import build_formulation, generate, generate_chunks
     from steadydiff.nn import build_model
-    from steadydiff.train.loop import generate, generate_chunks
 
     torch.manual_seed(0)
     cfg = load_config(None, TOY)
@@ -103,7 +102,7 @@ def test_sample_chunks_do_not_depend_on_how_they_are_shared_out(sampler, one_thr
 def test_merge_chunks_restores_chunk_order_across_ranks():
     import torch
 
-    from steadydiff.train.loop import merge_chunks
+    from steadydiff.diffusion import merge_chunks
 
     a, b, c = torch.zeros(4, 3), torch.ones(4, 3), torch.full((2, 3), 2.0)
     # rank 0 drew chunks 0 and 2, rank 1 chunk 1 (the round-robin of generate_chunks)

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from steadydiff.cli import EXIT_NONFINITE, EXIT_USER_ERROR, main
 from steadydiff.config import load_config
-from steadydiff.train import NonFiniteLossError, Trainer, latest_checkpoint, read_checkpoint
-from steadydiff.train import checkpoint as ckpt_mod
-from steadydiff.train import loop as loop_mod
+from steadydiff.runs import checkpoint as ckpt_mod
+from steadydiff.runs import latest_checkpoint, metrics_log, read_checkpoint
+from steadydiff.train import NonFiniteLossError, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = ["data.name=toy2d", "data.toy_size=500", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
@@ -333,7 +333,7 @@ def test_storage_disk_full_writing_metrics_is_one_line_and_resumable(tmp_path, c
     argv = ["train", "--out", str(run), "--quiet", *cli_sets("train.ckpt_every=3", "train.steps=6")]
     assert main(argv[:-2] + cli_sets("train.steps=3")) == 0
     before = fingerprint(run / "checkpoints")
-    monkeypatch.setattr(loop_mod, "open", lambda p, mode="r": _FullDiskFile(open(p, mode), 700), raising=False)
+    monkeypatch.setattr(metrics_log, "open", lambda p, mode="r": _FullDiskFile(open(p, mode), 700), raising=False)
     capsys.readouterr()
     code = main(argv)
     line = one_line(capsys.readouterr().err)

@@ -8,9 +8,11 @@ import torch
 
 from steadydiff.config import load_config
 from steadydiff.data import load_dataset
+from steadydiff.diffusion import generate
 from steadydiff.metrics import sliced_wasserstein
-from steadydiff.train import NonFiniteLossError, Trainer, generate, latest_checkpoint, read_checkpoint
-from steadydiff.train import checkpoint as ckpt_mod
+from steadydiff.runs import checkpoint as ckpt_mod
+from steadydiff.runs import latest_checkpoint, read_checkpoint
+from steadydiff.train import NonFiniteLossError, Trainer
 
 TOY = [
     "data.name=toy2d", "data.toy_size=4000", "model.backbone=mlp_unet", "model.hidden=64", "model.depth=6",

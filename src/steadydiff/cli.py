@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_config
+from .utils.errors import SteadydiffError
 
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
 
 
-class OutputError(RuntimeError):
+class OutputError(SteadydiffError):
     """Writing an output failed (full disk, no permission); the message names the file and the fix."""
 
 
@@ -59,27 +60,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from .train import generate, load_run_model
-    from .train.loop import pick_device
+    from .diffusion import check_sampler, generate
+    from .runs import load_model
+    from .utils.device import pick_device
     from .utils.images import save_samples
 
-    cfg, model, formulation, ckpt = load_run_model(args.run, use_ema=not args.no_ema)
-    sampler = args.sampler or cfg.train.sample_sampler
-    if sampler not in formulation.samplers:
-        raise ConfigError(f"--sampler {sampler} does not apply to diffusion.kind={formulation.kind}; choose one of "
-                          f"{', '.join(formulation.samplers)}")
+    m = load_model(args.run, use_ema=not args.no_ema)
+    sampler = args.sampler or m.cfg.train.sample_sampler
+    check_sampler(m.formulation.kind, sampler)
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'samples.png'}")
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = tuple(int(s) for s in ckpt.state["sample_shape"])
-    x = generate(model.to(device), formulation, shape, args.n, sampler, args.steps, args.seed, device,
-                 cfg.model.num_classes, clip=not args.no_clip)
+    x = generate(m.model.to(device), m.formulation, m.sample_shape, args.n, sampler, args.steps, args.seed, device,
+                 m.cfg.model.num_classes, clip=not args.no_clip)
     save_samples(x, out)
-    kind = "EMA" if not args.no_ema and ckpt.ema is not None else "post-hoc EMA" if "phema" in ckpt.state else "raw"
-    print(f"wrote {args.n} samples (step {ckpt.step}, {kind} weights, {sampler}) to {out}")
+    print(f"wrote {args.n} samples (step {m.step}, {m.weights} weights, {sampler}) to {out}")
     return 0
 
 
@@ -91,31 +89,31 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .data import load_dataset
+    from .diffusion import check_sampler
     from .metrics.evaluate import evaluate, parse_metrics
-    from .train import load_run_model
-    from .train.distributed import init_distributed, local_main_first, shutdown_distributed
-    from .train.loop import pick_device
+    from .runs import load_model
+    from .utils.device import pick_device
+    from .utils.distributed import init_distributed, local_main_first, shutdown_distributed
     from .utils.io import atomic_write_text
 
-    cfg, model, formulation, ckpt = load_run_model(args.run, use_ema=not args.no_ema)
+    m = load_model(args.run, use_ema=not args.no_ema)
+    cfg = m.cfg
     metrics = parse_metrics(args.metric)
     out = Path(args.out) if args.out else Path(args.run) / "eval.json"
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
     sampler = args.sampler or cfg.train.sample_sampler
-    if sampler not in formulation.samplers:
-        raise ConfigError(f"--sampler {sampler} does not apply to diffusion.kind={formulation.kind}; choose one of "
-                          f"{', '.join(formulation.samplers)}")
+    check_sampler(m.formulation.kind, sampler)
     if args.threads:
         torch.set_num_threads(args.threads)
     info, device = init_distributed(pick_device(args.device))
     try:
         with local_main_first(info):  # a first run may download the data: once per node
             dataset = load_dataset(cfg.data)
-        res = evaluate(model.to(device), formulation, cfg, dataset, metrics, args.n, sampler, args.steps, args.seed,
+        res = evaluate(m.model.to(device), m.formulation, cfg, dataset, metrics, args.n, sampler, args.steps, args.seed,
                        device, clip=not args.no_clip, ref_n=args.ref_n, batch=args.batch, dist_info=info)
         if info.is_main:
-            record = {"step": ckpt.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
+            record = {"step": m.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
                       "batch": args.batch, "weights": "raw" if args.no_ema else "ema", "ref_n": args.ref_n,
                       "processes": info.world_size, "metrics": res}
             atomic_write_text(out, json.dumps(record, indent=2) + "\n")
@@ -128,10 +126,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .config import Config, DataConfig, dump_config
+    from .config import Config, DataConfig
     from .nn.convert import load_official_uvit, steadydiff_to_official
-    from .train import find_weights, read_checkpoint, save_checkpoint
-    from .utils.io import atomic_write, atomic_write_text
+    from .runs import export_model, load_model
+    from .utils.io import atomic_write
 
     src, out = Path(args.input), Path(args.out)
     if args.kind == "uvit-official":
@@ -139,29 +137,26 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             raise ConfigError(f"{src} not found; pass the official nnet.pth or nnet_ema.pth file")
         if args.num_heads is None:
             raise ConfigError("--num-heads is required: no tensor records the head count (U-ViT-S: 8, M/L: 12)")
-        if (out / "checkpoints").exists():
-            raise ConfigError(f"{out} already holds checkpoints; choose a new --out directory")
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError(f"{out} already exists and is not empty; choose a new --out directory")
         model, mcfg, shape = load_official_uvit(src, args.num_heads, args.skip_scaling, args.kappa)
         # The data section is a placeholder: point data.root at your images (or pick a dataset) to fine-tune.
         cfg = Config(model=mcfg, data=DataConfig(name="folder", root="SET-data.root", resolution=shape[1]))
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.yaml", dump_config(cfg))
-        sd = model.state_dict()
-        save_checkpoint(out / "checkpoints", 0, sd, sd, {"sample_shape": list(shape), "converted_from": str(src)})
+        export_model(out, cfg, model.state_dict(), shape, step=0, weights_kind="converted", source=str(src))
         print(f"converted {src} -> {out} (U-ViT {mcfg.embed_dim}d, depth {mcfg.depth}, patch {mcfg.patch_size}, "
               f"{shape[1]}x{shape[2]}x{shape[0]}, skip_scaling {mcfg.skip_scaling}); sample with "
               f"`steadydiff sample {out} --out samples.png`")
         return 0
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'nnet_ema.pth'}")
-    ckpt = read_checkpoint(find_weights(src))
-    weights = ckpt.model if args.no_ema or ckpt.ema is None else ckpt.ema
+    m = load_model(src, use_ema=not args.no_ema)
+    weights = m.model.state_dict()
     n_skips = len({k.split(".")[1] for k in weights if k.startswith("out_blocks.")})
     if not n_skips:
         raise ConfigError(f"{src} does not hold a U-ViT (no out_blocks.* weights)")
     official = steadydiff_to_official(weights, n_skips)
     atomic_write(out, lambda p: torch.save(official, p))
-    print(f"wrote the official U-ViT layout of {src} (step {ckpt.step}) to {out}")
+    print(f"wrote the official U-ViT layout of {src} (step {m.step}) to {out}")
     return 0
 
 
@@ -185,15 +180,11 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_phema(args: argparse.Namespace) -> int:
-    import shutil
-
-    from .train import latest_checkpoint, save_checkpoint
-    from .train.checkpoint import load_state
+    from .runs import export_model, latest_checkpoint, load_state, read_config
     from .train.phema import list_snapshots, reconstruct, sigma_rel_to_gamma
 
     run, out = Path(args.run), Path(args.out)
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"{run} is not a steadydiff run directory (no config.yaml)")
+    cfg = read_config(run)
     snap_dir = run / "phema"
     snaps = list_snapshots(snap_dir) if snap_dir.is_dir() else []
     if not snaps:
@@ -213,11 +204,8 @@ def _cmd_phema(args: argparse.Namespace) -> int:
     if shape is None:
         raise ConfigError(f"{run} has no checkpoint to read the sample shape from; let training write one")
     for (st, sr), weights in reconstruct(snaps, [(step, sr) for sr in sigmas]):
-        target = out / f"step-{st:07d}-sigma-{sr:.3f}"
-        target.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(run / "config.yaml", target / "config.yaml")
-        save_checkpoint(target / "checkpoints", st, weights, None,
-                        {"sample_shape": list(shape), "phema": {"sigma_rel": sr, "source": str(run)}})
+        target = export_model(out / f"step-{st:07d}-sigma-{sr:.3f}", cfg, weights, shape, step=st,
+                              weights_kind=f"post-hoc EMA sigma_rel {sr:.3f}", sigma_rel=sr, source=str(run))
         print(f"sigma_rel {sr:.3f} at step {st}: {target} (sample with `steadydiff sample {target} --out x.png`)")
     return 0
 
@@ -283,6 +271,8 @@ def _count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .diffusion import SAMPLER_NAMES
+
     p = _Parser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -297,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="draw samples from a trained run into a PNG")
     s.add_argument("run", help="run directory (or a checkpoint directory inside it)")
     s.add_argument("--n", type=_count, default=64)
-    s.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m", "heun", "euler"],
+    s.add_argument("--sampler", choices=SAMPLER_NAMES,
                    help="vp: em | ddim | dpmpp2m; edm: heun | euler (default: the run's train.sample_sampler)")
     s.add_argument("--steps", type=_count, default=50)
     s.add_argument("--seed", type=int, default=0)
@@ -313,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--metric", default="fd_fmnist", help="comma-separated metrics, e.g. fd_fmnist,kid,fid")
     e.add_argument("--n", "--num-samples", dest="n", type=_count, default=5000,
                    help="number of samples (under torchrun write --num-samples: torchrun reads --n as its own)")
-    e.add_argument("--sampler", choices=["em", "ddim", "dpmpp2m", "heun", "euler"])
+    e.add_argument("--sampler", choices=SAMPLER_NAMES)
     e.add_argument("--steps", type=_count, default=50)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--batch", type=_count, default=256, help="samples per chunk; each chunk has its own seed, and "
@@ -366,9 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .data import DataError
-    from .experiments import ExperimentError
-    from .train import CheckpointError, NonFiniteLossError, RunDirError
+    from .train import NonFiniteLossError
 
     try:
         args = build_parser().parse_args(argv)
@@ -380,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (ConfigError, DataError, CheckpointError, RunDirError, ExperimentError, OutputError, ValueError,
-            OSError) as e:
+    except (SteadydiffError, ValueError, OSError) as e:
         if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
             raise
         text = os_error_text(e) if isinstance(e, OSError) else str(e)

@@ -15,9 +15,22 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from .utils.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config key or value is invalid; the message names the fix."""
+# The metric names `train.eval_metrics` accepts: `steadydiff.metrics.METRICS` (a test keeps them equal).
+MetricName = Literal["fd_fmnist", "fid", "kid", "precision", "recall", "sw", "mmd"]
+
+
+def resumable(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A field that may change when a run is resumed: it does not alter the training trajectory (output,
+    monitoring and speed settings). Every other field must match the run directory's config."""
+    return field(default=default, metadata={"resumable": True}, **kw)
+
+
+def _positive(section: str, **values: float | None) -> None:
+    for key, v in values.items():
+        if v is not None and v <= 0:
+            raise ConfigError(f"{section}.{key}: must be > 0, got {v}")
 
 
 @dataclass
@@ -31,6 +44,13 @@ class DataConfig:
     toy: Literal["8gaussians", "swissroll", "checkerboard"] = "8gaussians"
     toy_size: int = 20000  # number of toy2d points
     max_items: int | None = None  # use only the first N items (quick runs, tests)
+
+    def check(self) -> None:
+        _positive("data", resolution=self.resolution, toy_size=self.toy_size)
+        if self.max_items is not None and self.max_items < 1:
+            raise ConfigError(f"data.max_items: must be >= 1 or null (all items), got {self.max_items}")
+        if self.name == "folder" and not self.root:
+            raise ConfigError("data.root: the folder dataset needs data.root=PATH/TO/IMAGES")
 
 
 @dataclass
@@ -57,7 +77,19 @@ class ModelConfig:
     final_conv: bool = True  # uvit: 3x3 conv after unpatchify
     # Activation checkpointing (every backbone): recompute each block in backward instead of storing its
     # activations; less memory for ~1/3 more compute, same gradients. Off: it only pays when memory binds.
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = resumable(False)
+
+    def check(self) -> None:
+        _positive("model", channels=self.channels, hidden=self.hidden, embed_dim=self.embed_dim,
+                  patch_size=self.patch_size, ls_reduction=self.ls_reduction, num_heads=self.num_heads)
+        if not 0 < self.kappa <= 1:
+            raise ConfigError(f"model.kappa: must be in (0, 1], got {self.kappa}")
+        if self.depth < 2:
+            raise ConfigError(f"model.depth: must be >= 2 (depth // 2 long skips), got {self.depth}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        if not self.channel_mult:
+            raise ConfigError("model.channel_mult: must list at least one level, e.g. [1, 2, 2]")
 
 
 @dataclass
@@ -76,10 +108,17 @@ class DiffusionConfig:
     rho: float = 7.0
     learn_uncertainty: bool = True  # EDM2's learned u(sigma) loss weighting
 
+    def check(self) -> None:
+        if (self.sigma_data <= 0 or self.p_std <= 0 or not 0 < self.sigma_min < self.sigma_max
+                or self.rho <= 0):
+            raise ConfigError("diffusion: need sigma_data > 0, p_std > 0, 0 < sigma_min < sigma_max and rho > 0")
+        if not 0 < self.t_eps < 1:
+            raise ConfigError(f"diffusion.t_eps: must be in (0, 1), got {self.t_eps}")
+
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: int = resumable(1000)
     batch_size: int = 64  # the global batch: split across processes under torchrun (and then across grad_accum)
     lr: float = 2e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -96,42 +135,96 @@ class TrainConfig:
     momentum_steps: int | None = None  # MDLRC horizon K_m (null: train.steps)
     momentum_beta_end: float = 0.0  # floor of the decayed beta1
     ema_sigma_rels: list[float] = field(default_factory=list)  # power-function EMAs to track, e.g. [0.05, 0.10]
-    phema_snapshot_every: int = 0  # steps between post-hoc EMA snapshots (0: only with checkpoints)
+    phema_snapshot_every: int = resumable(0)  # steps between post-hoc EMA snapshots (0: with checkpoints)
     grad_clip: float | None = 1.0  # max global grad norm; null disables
     grad_accum: int = 1  # micro-batches per optimiser step (batch_size is split across them)
     ema_decay: float = 0.999
     ema_warmup: bool = True  # decay_k = min(ema_decay, (1 + k) / (10 + k))
     seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = resumable("auto")
     bf16: bool = False  # bf16 autocast (CPU AMX or CUDA); parameters and optimiser stay fp32
-    log_every: int = 50
-    ckpt_every: int = 500
-    keep_ckpts: int = 2
-    sample_every: int = 0  # 0: only at the end
-    sample_n: int = 64
-    # vp: em, ddim, dpmpp2m; edm: heun, euler
-    sample_sampler: Literal["em", "ddim", "dpmpp2m", "heun", "euler"] = "dpmpp2m"
-    sample_steps: int = 30
-    sample_clip: bool = True  # images: keep the denoised estimate in [-1, 1] while sampling
-    eval_every: int = 0  # steps between quick evals written as eval/<metric> to metrics.jsonl (0: off)
-    eval_metrics: list[str] = field(default_factory=list)  # e.g. [fd_fmnist] or [sw] (toy2d)
-    eval_n: int = 256  # samples per periodic eval
-    eval_batch: int = 256  # samples per sampling chunk (own seed each); under torchrun the chunks are shared out
-    threads: int | None = None  # torch intra-op threads; null keeps torch's default
+    log_every: int = resumable(50)
+    ckpt_every: int = resumable(500)
+    keep_ckpts: int = resumable(2)
+    sample_every: int = resumable(0)  # 0: only at the end
+    sample_n: int = resumable(64)
+    # Each formulation has its own samplers (vp: em, ddim, dpmpp2m; edm: heun, euler); the trainer checks
+    # that this one is among diffusion.kind's.
+    sample_sampler: Literal["em", "ddim", "dpmpp2m", "heun", "euler"] = resumable("dpmpp2m")
+    sample_steps: int = resumable(30)
+    sample_clip: bool = resumable(True)  # images: keep the denoised estimate in [-1, 1] while sampling
+    eval_every: int = resumable(0)  # steps between quick evals written as eval/<metric> to metrics.jsonl (0: off)
+    eval_metrics: list[str] = resumable(default_factory=list)  # MetricName values, e.g. [fd_fmnist] or [sw]
+    eval_n: int = resumable(256)  # samples per periodic eval
+    # Samples per sampling chunk (each chunk has its own seed); under torchrun the chunks are shared out.
+    eval_batch: int = resumable(256)
+    threads: int | None = resumable(None)  # torch intra-op threads; null keeps torch's default
     # Speed switches. All off by default: none has been timed on a GPU yet (benchmarks/gpu_check.py measures
     # them); each leaves the losses equal to the plain step within fp32 round-off (tests/test_perf.py).
-    channels_last: bool = False  # NHWC layout for image batches and conv weights (faster convs on tensor cores)
-    optimizer_impl: Literal["auto", "foreach", "fused", "plain"] = "auto"  # AdamW kernels; auto: PyTorch's pick
-    compile: bool = False  # torch.compile the training loss (model forward + loss); the first steps compile
-    peak_flops: float | None = None  # per-device peak FLOP/s for the logged MFU; null or 0: measure a matmul
+    # channels_last: NHWC layout for image batches and conv weights (faster convs on tensor cores).
+    channels_last: bool = resumable(False)
+    optimizer_impl: Literal["auto", "foreach", "fused", "plain"] = resumable("auto")  # AdamW kernels
+    compile: bool = resumable(False)  # torch.compile the training loss; the first steps compile
+    peak_flops: float | None = resumable(None)  # per-device peak FLOP/s for the logged MFU; null or 0: measure
     # A NaN/Inf loss or gradient norm: stop (exit 3, last good checkpoint kept) or skip that step's update
     # (no weight, EMA or optimiser change; the step still counts), counted as skipped_steps in metrics.jsonl.
-    nonfinite: Literal["stop", "skip"] = "stop"
-    max_consecutive_skips: int = 10  # nonfinite=skip: stop anyway when one more step in a row would be skipped
-    fault_nan_at_step: int | None = None  # testing: make the loss NaN at this step
-    fault_steps: list[int] = field(default_factory=list)  # testing: inject a fault at these (0-based) steps
-    fault_kind: Literal["nan", "inf"] = "nan"  # testing: the value injected at fault_steps
-    fault_where: Literal["loss", "grad"] = "loss"  # testing: into the loss, or into one gradient entry
+    nonfinite: Literal["stop", "skip"] = resumable("stop")
+    max_consecutive_skips: int = resumable(10)  # nonfinite=skip: stop when one more step in a row would skip
+    fault_nan_at_step: int | None = resumable(None)  # testing: make the loss NaN at this step
+    fault_steps: list[int] = resumable(default_factory=list)  # testing: inject a fault at these (0-based) steps
+    fault_kind: Literal["nan", "inf"] = resumable("nan")  # testing: the value injected at fault_steps
+    fault_where: Literal["loss", "grad"] = resumable("loss")  # testing: into the loss, or into one gradient
+
+    def check(self) -> None:
+        _positive("train", steps=self.steps, batch_size=self.batch_size, grad_accum=self.grad_accum,
+                  log_every=self.log_every, ckpt_every=self.ckpt_every, keep_ckpts=self.keep_ckpts,
+                  sample_n=self.sample_n, sample_steps=self.sample_steps, lr_ref_steps=self.lr_ref_steps)
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        if any(not 0 < s < 0.2887 for s in self.ema_sigma_rels):
+            raise ConfigError(f"train.ema_sigma_rels: each must be in (0, 0.2887) (EDM2 Eq. 126), got "
+                              f"{self.ema_sigma_rels}")
+        if not 0 < self.clts_sigma or not 0 <= self.clts_mu <= 1:
+            raise ConfigError(f"train.clts_mu must be in [0, 1] and train.clts_sigma > 0, got {self.clts_mu}, "
+                              f"{self.clts_sigma}")
+        for key, v in {"train.clts_steps": self.clts_steps, "train.momentum_steps": self.momentum_steps}.items():
+            if v is not None and v <= 0:
+                raise ConfigError(f"{key}: must be > 0 or null, got {v}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {self.betas}")
+        if not 0 <= self.momentum_beta_end <= self.betas[0]:
+            raise ConfigError(f"train.momentum_beta_end must be in [0, betas[0]], got {self.momentum_beta_end}")
+        if self.eval_every < 0 or self.eval_n <= 0 or self.eval_batch <= 0:
+            raise ConfigError(f"train.eval_every must be >= 0 and train.eval_n, train.eval_batch > 0, got "
+                              f"{self.eval_every}, {self.eval_n}, {self.eval_batch}")
+        if self.eval_every and not self.eval_metrics:
+            raise ConfigError("train.eval_every > 0 needs train.eval_metrics, e.g. [fd_fmnist] or [sw]")
+        bad = [m for m in self.eval_metrics if m not in get_args(MetricName)]
+        if bad:
+            raise ConfigError(f"train.eval_metrics: unknown metric {bad[0]!r}; choose from "
+                              f"{', '.join(get_args(MetricName))}")
+        if self.peak_flops is not None and self.peak_flops < 0:
+            raise ConfigError(f"train.peak_flops: must be > 0 (FLOP/s per device) or 0/null to measure, got "
+                              f"{self.peak_flops}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError(f"train.grad_clip: must be > 0 or null (no clipping), got {self.grad_clip}")
+        for key, v in {"train.weight_decay": self.weight_decay, "train.warmup_steps": self.warmup_steps}.items():
+            if v < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {v}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"train.threads: must be >= 1 or null (torch's default), got {self.threads}")
+        if self.max_consecutive_skips < 1:
+            raise ConfigError(f"train.max_consecutive_skips: must be >= 1, got {self.max_consecutive_skips}")
+        faults = self.fault_steps + ([] if self.fault_nan_at_step is None else [self.fault_nan_at_step])
+        if any(k < 0 for k in faults):
+            raise ConfigError(f"train.fault_steps / train.fault_nan_at_step: steps must be >= 0, got {faults}")
+        if self.phema_snapshot_every < 0:
+            raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {self.phema_snapshot_every}")
+        if not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"train.ema_decay: must be in [0, 1), got {self.ema_decay}")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
+                              f"({self.grad_accum})")
 
 
 @dataclass
@@ -146,6 +239,12 @@ class DiagnosticsConfig:
     probe_seed: int = 1234  # the probe batch is drawn from this seed, independent of training
     tensorboard: bool = False  # also write scalars to RUN_DIR/tb (needs the tensorboard package)
 
+    def check(self) -> None:
+        for key in ("grad_every", "probe_every", "update_every", "magnitude_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"diagnostics.{key}: must be >= 0 (0 disables), got {getattr(self, key)}")
+        _positive("diagnostics", probe_size=self.probe_size)
+
 
 @dataclass
 class Config:
@@ -153,10 +252,15 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    diagnostics: DiagnosticsConfig = resumable(default_factory=DiagnosticsConfig)  # monitors only
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Rules that span sections (each section checks its own fields)."""
+        if self.train.channels_last and self.data.name == "toy2d":
+            raise ConfigError("train.channels_last applies to image data (4-D batches); set it false for toy2d")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,107 +347,39 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return obj
 
 
-def _check_ranges(cfg: Config) -> None:
-    """Values of the right type that still make no sense."""
-    t, m, d = cfg.train, cfg.model, cfg.data
-    positive = {
-        "train.steps": t.steps, "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
-        "train.log_every": t.log_every, "train.ckpt_every": t.ckpt_every, "train.keep_ckpts": t.keep_ckpts,
-        "train.sample_n": t.sample_n, "train.sample_steps": t.sample_steps, "data.resolution": d.resolution,
-        "data.toy_size": d.toy_size,
-        "model.channels": m.channels, "model.hidden": m.hidden, "model.embed_dim": m.embed_dim,
-        "model.patch_size": m.patch_size,
-        "model.ls_reduction": m.ls_reduction, "model.num_heads": m.num_heads, "train.lr_ref_steps": t.lr_ref_steps,
-    }
-    dg = cfg.diagnostics
-    intervals = {"diagnostics.grad_every": dg.grad_every, "diagnostics.probe_every": dg.probe_every,
-                 "diagnostics.update_every": dg.update_every, "diagnostics.magnitude_every": dg.magnitude_every}
-    for key, v in intervals.items():
-        if v < 0:
-            raise ConfigError(f"{key}: must be >= 0 (0 disables), got {v}")
-    if dg.probe_size <= 0:
-        raise ConfigError(f"diagnostics.probe_size: must be > 0, got {dg.probe_size}")
-    for key, v in positive.items():
-        if v <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {v}")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
-    if not 0 < m.kappa <= 1:
-        raise ConfigError(f"model.kappa: must be in (0, 1], got {m.kappa}")
-    if any(not 0 < s < 0.2887 for s in t.ema_sigma_rels):
-        raise ConfigError(f"train.ema_sigma_rels: each must be in (0, 0.2887) (EDM2 Eq. 126), got "
-                          f"{t.ema_sigma_rels}")
-    if not 0 < t.clts_sigma or not 0 <= t.clts_mu <= 1:
-        raise ConfigError(f"train.clts_mu must be in [0, 1] and train.clts_sigma > 0, got {t.clts_mu}, {t.clts_sigma}")
-    for key, v in {"train.clts_steps": t.clts_steps, "train.momentum_steps": t.momentum_steps}.items():
-        if v is not None and v <= 0:
-            raise ConfigError(f"{key}: must be > 0 or null, got {v}")
-    if not 0 <= t.momentum_beta_end <= t.betas[0]:
-        raise ConfigError(f"train.momentum_beta_end must be in [0, betas[0]], got {t.momentum_beta_end}")
-    if t.eval_every < 0 or t.eval_n <= 0 or t.eval_batch <= 0:
-        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_n, train.eval_batch > 0, got "
-                          f"{t.eval_every}, {t.eval_n}, {t.eval_batch}")
-    if t.eval_every and not t.eval_metrics:
-        raise ConfigError("train.eval_every > 0 needs train.eval_metrics, e.g. [fd_fmnist] or [sw]")
-    if t.eval_metrics:
-        from .metrics.evaluate import METRICS
-
-        bad = [m for m in t.eval_metrics if m not in METRICS]
-        if bad:
-            raise ConfigError(f"train.eval_metrics: unknown metric {bad[0]!r}; choose from {', '.join(METRICS)}")
-    if t.peak_flops is not None and t.peak_flops < 0:
-        raise ConfigError(f"train.peak_flops: must be > 0 (FLOP/s per device) or 0/null to measure, got "
-                          f"{t.peak_flops}")
-    if t.channels_last and d.name == "toy2d":
-        raise ConfigError("train.channels_last applies to image data (4-D batches); set it false for toy2d")
-    if t.grad_clip is not None and t.grad_clip <= 0:
-        raise ConfigError(f"train.grad_clip: must be > 0 or null (no clipping), got {t.grad_clip}")
-    non_negative = {"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps}
-    for key, v in non_negative.items():
-        if v < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {v}")
-    if t.threads is not None and t.threads < 1:
-        raise ConfigError(f"train.threads: must be >= 1 or null (torch's default), got {t.threads}")
-    if d.max_items is not None and d.max_items < 1:
-        raise ConfigError(f"data.max_items: must be >= 1 or null (all items), got {d.max_items}")
-    if t.max_consecutive_skips < 1:
-        raise ConfigError(f"train.max_consecutive_skips: must be >= 1, got {t.max_consecutive_skips}")
-    faults = t.fault_steps + ([] if t.fault_nan_at_step is None else [t.fault_nan_at_step])
-    if any(k < 0 for k in faults):
-        raise ConfigError(f"train.fault_steps / train.fault_nan_at_step: steps must be >= 0, got {faults}")
-    if t.phema_snapshot_every < 0:
-        raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {t.phema_snapshot_every}")
-    if not 0 <= t.ema_decay < 1:
-        raise ConfigError(f"train.ema_decay: must be in [0, 1), got {t.ema_decay}")
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"train.betas: expected two numbers in [0, 1), got {t.betas}")
-    if t.batch_size % t.grad_accum:
-        raise ConfigError(
-            f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})"
-        )
-    if m.depth < 2:
-        raise ConfigError(f"model.depth: must be >= 2 (depth // 2 long skips), got {m.depth}")
-    if not 0 <= m.dropout < 1:
-        raise ConfigError(f"model.dropout: must be in [0, 1), got {m.dropout}")
-    if not m.channel_mult:
-        raise ConfigError("model.channel_mult: must list at least one level, e.g. [1, 2, 2]")
-    if d.name == "folder" and not d.root:
-        raise ConfigError("data.root: the folder dataset needs data.root=PATH/TO/IMAGES")
-    valid = {"vp": ("em", "ddim", "dpmpp2m"), "edm": ("heun", "euler")}[cfg.diffusion.kind]
-    if t.sample_sampler not in valid:
-        raise ConfigError(f"train.sample_sampler={t.sample_sampler} does not apply to diffusion.kind="
-                          f"{cfg.diffusion.kind}; choose one of {', '.join(valid)}")
-    df = cfg.diffusion
-    if df.sigma_data <= 0 or df.p_std <= 0 or not 0 < df.sigma_min < df.sigma_max or df.rho <= 0:
-        raise ConfigError("diffusion: need sigma_data > 0, p_std > 0, 0 < sigma_min < sigma_max and rho > 0")
-    if not 0 < cfg.diffusion.t_eps < 1:
-        raise ConfigError(f"diffusion.t_eps: must be in (0, 1), got {cfg.diffusion.t_eps}")
-
-
 def config_from_dict(data: dict[str, Any] | None) -> Config:
+    """A validated Config: types and choices per field, then each section's `check()`, then the rules
+    that span sections (`Config.check`)."""
     cfg = _build(Config, data or {}, "")
-    _check_ranges(cfg)
+    for section in (cfg.data, cfg.model, cfg.diffusion, cfg.train, cfg.diagnostics, cfg):
+        section.check()
     return cfg
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resumable_keys() -> set[str]:
+    """Dotted keys that may change when a run is resumed: fields marked `resumable`, and every field of a
+    section marked so."""
+    hints = typing.get_type_hints(Config)
+    return {f"{sec.name}.{f.name}" for sec in dataclasses.fields(Config) for f in dataclasses.fields(hints[sec.name])
+            if sec.metadata.get("resumable") or f.metadata.get("resumable")}
+
+
+def config_differences(a: Config, b: Config) -> list[str]:
+    """`key: old -> new` for every difference that would change the training trajectory (fields marked
+    `resumable` may differ: outputs, monitors, speed switches)."""
+    free = resumable_keys()
+    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in fa if fa.get(k) != fb.get(k) and k not in free]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

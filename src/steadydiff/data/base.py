@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils.errors import SteadydiffError
 
-class DataError(Exception):
+
+class DataError(SteadydiffError):
     """Bad or missing data; str(e) is ONE line that names the fix."""
 
     def __init__(self, message: str) -> None:

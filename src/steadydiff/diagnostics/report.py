@@ -10,28 +10,11 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..runs.metrics_log import read_metrics, series
 from ..utils.io import atomic_write, atomic_write_text
 from .stats import oscillation_summary
 
 SENSITIVITY_TS = [0.02, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95]
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for ln in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(ln))
-        except ValueError:  # blank, or the last line torn by a run killed mid-write
-            continue
-    return [r for r in rows if isinstance(r, dict)]
-
-
-def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
-    return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def run_series(rows: list[dict[str, Any]], warmup: int) -> dict[str, list[float]]:
@@ -49,10 +32,10 @@ def run_series(rows: list[dict[str, Any]], warmup: int) -> dict[str, list[float]
 
 def _load_run(run_dir: Path):
     from ..data import load_dataset
-    from ..train import load_run_model
+    from ..runs import load_model
 
-    cfg, model, formulation, _ = load_run_model(run_dir)
-    return cfg, model, formulation, load_dataset(cfg.data)
+    loaded = load_model(run_dir)
+    return loaded.cfg, loaded.model, loaded.formulation, load_dataset(loaded.cfg.data)
 
 
 def _fixed_batch(ds, n: int, seed: int = 0):
@@ -77,7 +60,7 @@ def _sensitivity(model, sde, x0, labels, num_classes: int, method: str = "ratio"
 
 def diagnose_runs(run_dirs: list[Path], out_dir: Path, n_probe: int = 32, n_consistency: int = 32) -> dict:
     """Stability statistics of each run, overlay plots, and (for 2+ runs) sample consistency."""
-    from ..train import generate
+    from ..diffusion import generate
     from .landscape import consistency_score
 
     out_dir.mkdir(parents=True, exist_ok=True)

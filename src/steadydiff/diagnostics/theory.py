@@ -11,8 +11,8 @@ i, i+1, ..., N-1, and the bound has the form
 so the effect of a skip-scaling method (org: S_i = N - i; CS: S_i <= 1 / (1 - kappa^2)) can be compared with
 what the model actually does.
 
-"Decoder level i" is the output of the block that consumes skip i, found by `decoder_blocks`:
-MLPUNet and UNet: `reversed(model.up)` (one UNet up-stage per skip); U-ViT: `reversed(model.out_blocks)`.
+"Decoder level i" is the output of the block that consumes skip i, as the backbone's own `decoder_blocks()`
+method lists them (each backbone describes itself; nothing here knows a backbone by class).
 """
 
 from __future__ import annotations
@@ -25,38 +25,22 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from steadydiff.diffusion.vp import VPSDE, draw_normal
+from ..diffusion.vp import VPSDE
+from ..utils.rng import draw_normal
 
 __all__ = ["decoder_blocks", "decoder_feature_norms", "skip_energy", "theory_fit"]
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The skip-consuming decoder blocks of a backbone, outermost first (block i consumes skip i).
-
-    * a model with its own `decoder_blocks()` method: whatever it returns (must be outermost first);
-    * MLPUNet: `list(reversed(model.up))` (up[0] runs first and consumes the innermost skip);
-    * UNet: `list(reversed(model.up))`: every up-stage consumes exactly one skip, so a resolution level with
-      several stages contributes several "blocks";
-    * UViT: `list(reversed(model.out_blocks))`.
-
-    Other modules raise NotImplementedError.
-    """
-    from steadydiff.nn.mlp_unet import MLPUNet
-    from steadydiff.nn.unet import UNet
-    from steadydiff.nn.uvit import UViT
-
+    """The skip-consuming decoder blocks of a backbone, outermost first (block i consumes skip i), as the
+    backbone's own `decoder_blocks()` method lists them; checked against its skip count."""
     own = getattr(model, "decoder_blocks", None)
-    if callable(own):
-        blocks = list(own())
-    elif isinstance(model, (MLPUNet, UNet)):
-        blocks = list(reversed(model.up))
-    elif isinstance(model, UViT):
-        blocks = list(reversed(model.out_blocks))
-    else:
+    if not callable(own):
         raise NotImplementedError(
-            f"decoder_blocks: no rule for {type(model).__name__}; supported are MLPUNet, UNet and UViT, or give "
-            "the model a decoder_blocks() method returning its skip-consuming blocks outermost first"
+            f"decoder_blocks: {type(model).__name__} has no decoder_blocks() method; give it one returning its "
+            "skip-consuming blocks outermost first"
         )
+    blocks = list(own())
     n = getattr(model, "num_skips", None)
     if isinstance(n, int) and n != len(blocks):
         raise ValueError(f"{type(model).__name__} has {n} skips but {len(blocks)} decoder blocks")

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .vp import draw_normal, draw_uniform
+from ..nn.mp import MPConv, MPFourier
+from ..utils.rng import draw_normal, draw_uniform
 
 DenoiseFn = Callable[[Tensor, Tensor], Tensor]  # D(x, sigma) with sigma of shape (B,)
 
@@ -34,8 +35,6 @@ class LogVarianceHead(nn.Module):
 
     def __init__(self, channels: int = 128):
         super().__init__()
-        from ..nn.mp import MPConv, MPFourier
-
         self.fourier = MPFourier(channels)
         self.linear = MPConv(channels, 1, kernel=())
 
@@ -64,9 +63,7 @@ class EDMPrecond(nn.Module):
         return getattr(self.net, "skip_scaling", None)
 
     def decoder_blocks(self) -> list[nn.Module]:
-        from ..diagnostics.theory import decoder_blocks
-
-        return decoder_blocks(self.net)
+        return self.net.decoder_blocks()
 
     def coefficients(self, sigma: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         sd = self.sigma_data

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from steadydiff.diffusion.vp import VPSDE, draw_normal
+from ..utils.rng import draw_normal
+
+if TYPE_CHECKING:  # annotations only: vp.py builds on this module
+    from .vp import VPSDE
 
 __all__ = ["EpsFn", "SAMPLERS", "sample", "sample_ddim", "sample_dpmpp2m", "sample_em", "time_grid"]
 

@@ -22,43 +22,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from steadydiff.config import DiffusionConfig
+from ..config import DiffusionConfig
+from ..utils.rng import draw_normal, draw_uniform
+from .samplers import clip_denoised, sample
 
 __all__ = ["VPSDE", "draw_normal", "draw_uniform"]
 
 Model = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Random draws that respect an explicit generator on any device
-
-
-def _gen_device(generator: torch.Generator | None, device: torch.device | str | None) -> torch.device:
-    if generator is not None:
-        return generator.device
-    return torch.device(device) if device is not None else torch.device("cpu")
-
-
-def draw_normal(
-    shape: tuple[int, ...] | torch.Size,
-    generator: torch.Generator | None,
-    device: torch.device | str | None,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """N(0, I) drawn on the generator's device (a CPU generator cannot feed a CUDA draw), then moved."""
-    out = torch.randn(tuple(shape), generator=generator, device=_gen_device(generator, device), dtype=dtype)
-    return out.to(device) if device is not None else out
-
-
-def draw_uniform(
-    shape: tuple[int, ...] | torch.Size,
-    generator: torch.Generator | None,
-    device: torch.device | str | None,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """U[0, 1) drawn on the generator's device, then moved to `device`."""
-    out = torch.rand(tuple(shape), generator=generator, device=_gen_device(generator, device), dtype=dtype)
-    return out.to(device) if device is not None else out
 
 
 def _wide(t: Tensor) -> tuple[Tensor, torch.dtype]:
@@ -171,8 +141,6 @@ class VPSDE:
     def generate(self, model: Model, x_T: Tensor, sampler: str, steps: int, labels: Tensor | None = None,
                  generator: torch.Generator | None = None, clip: bool = False) -> Tensor:
         """Samples from x_T ~ N(0, I) with one of `samplers`; `clip` keeps x0_hat in [-1, 1] (images)."""
-        from .samplers import clip_denoised, sample
-
         if sampler not in self.samplers:
             raise ValueError(f"sampler {sampler!r} does not apply to diffusion.kind=vp; choose one of "
                              f"{', '.join(self.samplers)}")

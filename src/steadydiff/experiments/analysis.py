@@ -12,15 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from ..diagnostics.report import read_metrics, series
 from ..diagnostics.stats import oscillation_summary
+from ..runs.metrics_log import read_metrics, series
+from ..utils.errors import SteadydiffError
 from ..utils.io import atomic_write_text
 from .runner import read_result, run_dir
 from .spec import Experiment
 from .speedup import baseline_targets, fill_diverged, mean_curve, ratio_of_means_ci, speedup_ci, verdict
 
 
-class ExperimentError(RuntimeError):
+class ExperimentError(SteadydiffError):
     """Runs are missing or inconsistent; the message names the fix."""
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..diagnostics.report import read_metrics, series
 from ..diagnostics.stats import moving_average
+from ..runs.metrics_log import read_metrics, series
 from ..utils.io import atomic_write, atomic_write_text
 from .runner import run_dir
 from .spec import Experiment

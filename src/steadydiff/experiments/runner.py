@@ -35,8 +35,7 @@ def train_one(exp_path: str, arm: str, seed: int, out: str, extra: list[str], sh
     """Train one (arm, seed) to the end or to divergence; returns and stores its result record."""
     import torch
 
-    from ..train import Trainer
-    from ..train.loop import NonFiniteLossError
+    from ..train import NonFiniteLossError, Trainer
     from .spec import load_experiment
 
     if threads:

@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, read_yaml
+from ..diffusion import check_sampler
 
 CLAIM_KINDS = ("speedup", "final", "stability", "sensitivity")
 STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes")
@@ -170,7 +171,8 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
     )
     for arm in arms:  # fail now, not after hours of training the other arms
         try:
-            exp.run_config(arm, seeds[0], extra)
+            cfg = exp.run_config(arm, seeds[0], extra)
+            check_sampler(cfg.diffusion.kind, cfg.train.sample_sampler, "train.sample_sampler")
         except ConfigError as e:
             raise ConfigError(f"experiment arm {arm!r}: {e}") from e
     return exp

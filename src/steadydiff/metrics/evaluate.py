@@ -114,8 +114,8 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
     its share of the chunks and extracts their features, rank 0 gathers them and returns the metrics, the
     other ranks return {}. The samples, and so the metrics, are those of a single-process call.
     """
-    from ..train.distributed import DistInfo, gather_to_main, local_main_first
-    from ..train.loop import generate_chunks, merge_chunks
+    from ..diffusion.generate import generate_chunks, merge_chunks
+    from ..utils.distributed import DistInfo, gather_to_main, local_main_first
     from .features import get_extractor
 
     info = dist_info if dist_info is not None else DistInfo()

@@ -86,6 +86,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.base import ArrayDataset
+from ..utils.errors import SteadydiffError
 from ..utils.io import atomic_write
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ __all__ = [
 ]
 
 
-class ExtractorError(RuntimeError):
+class ExtractorError(SteadydiffError):
     """A feature extractor cannot be built or used; str(e) names the fix."""
 
 

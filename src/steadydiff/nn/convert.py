@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..utils.errors import SteadydiffError
 
 _SE_SHARED = re.compile(r"^se\.(layer[12]\.(?:weight|bias))$")
 _SE_SPLIT = re.compile(r"^se\.(\d+)\.(layer[12]\.(?:weight|bias))$")
@@ -26,7 +27,7 @@ _GATE_SHARED = re.compile(r"^skip_scaling\.gates\.c\d+\.(layer[12]\.(?:weight|bi
 _GATE_SPLIT = re.compile(r"^skip_scaling\.gates\.(\d+)\.(layer[12]\.(?:weight|bias))$")
 
 
-class ConversionError(ValueError):
+class ConversionError(SteadydiffError, ValueError):
     """The state dict is not an official U-ViT one; the message says what is missing."""
 
 

@@ -172,7 +172,6 @@ class EDM2UNet(LongSkips, nn.Module):
         self.skip_channels = skip_ch  # outermost first
         self.attach_skip_scaling(skip_scaling)
 
-
     def decoder_blocks(self) -> list[nn.Module]:
         """The skip-consuming decoder blocks, outermost first (block i consumes skip i)."""
         return list(reversed([b for b in self.dec if b.consumes_skip]))

@@ -62,6 +62,9 @@ class MLPUNet(LongSkips, nn.Module):
         self.skip_channels = [hidden] * n
         self.attach_skip_scaling(skip_scaling)
 
+    def decoder_blocks(self) -> list[nn.Module]:
+        """The skip-consuming decoder blocks, outermost first (up[0] runs first and takes the innermost skip)."""
+        return list(reversed(self.up))
 
     def forward(self, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
         emb = self.embed(t, labels)

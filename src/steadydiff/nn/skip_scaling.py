@@ -65,9 +65,18 @@ class ConstantScaling(SkipScaling):
 
 class LongSkips:
     """Mixin for backbones with long skips: they set `skip_channels` (gate width of each skip, outermost
-    first) and call `attach_skip_scaling`; the forward pass calls `self.skip_scaling(i, skip)` if set."""
+    first) and call `attach_skip_scaling`; the forward pass calls `self.skip_scaling(i, skip)` if set.
+
+    A backbone describes itself to the diagnostics (and to the EDM preconditioner) through
+    `decoder_blocks()`: its skip-consuming decoder blocks, outermost first, block i consuming skip i. Adding
+    a backbone therefore never means editing the diagnostics.
+    """
 
     skip_channels: list[int]
+
+    def decoder_blocks(self) -> list[nn.Module]:
+        raise NotImplementedError(f"{type(self).__name__} must list its skip-consuming decoder blocks, outermost "
+                                  "first, in decoder_blocks()")
 
     @property
     def num_skips(self) -> int:

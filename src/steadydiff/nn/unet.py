@@ -158,6 +158,10 @@ class UNet(LongSkips, nn.Module):
         self.skip_channels = skip_ch  # outermost first
         self.attach_skip_scaling(skip_scaling)
 
+    def decoder_blocks(self) -> list[nn.Module]:
+        """The skip-consuming decoder blocks, outermost first: every up-stage consumes exactly one skip, and
+        up[0] runs first (innermost skip), so a resolution level with several stages gives several blocks."""
+        return list(reversed(self.up))
 
     def forward(self, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
         emb = self.embed(t, labels)

@@ -147,6 +147,9 @@ class UViT(LongSkips, nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
+    def decoder_blocks(self) -> list[nn.Module]:
+        """The skip-consuming out-blocks, outermost first (out_blocks[0] runs first, on the innermost skip)."""
+        return list(reversed(self.out_blocks))
 
     def unpatchify(self, x: Tensor) -> Tensor:
         """(B, h*w, p*p*C) with per-patch (p1, p2, C) order -> (B, C, h*p, w*p)."""

@@ -1,12 +1,13 @@
-"""Training: the loop, LR schedules, EMA, checkpoints."""
+"""Training: the Trainer and its loop, and the objects it calls (LR and momentum schedules, noise-level
+samplers, weight averagers, the non-finite policy, the optimiser)."""
 
-from .checkpoint import CheckpointError, find_weights, latest_checkpoint, read_checkpoint, save_checkpoint
 from .ema import EMA
-from .loop import NonFiniteLossError, RunDirError, Trainer, generate, load_run_model, plot_curves
+from .loop import StepResult, Trainer
+from .nonfinite import NonFiniteLossError
+from .phema import PowerEMA
 from .schedules import InverseSqrt, WarmupConstant, WarmupCosine, build_lr_schedule
 
 __all__ = [
-    "EMA", "CheckpointError", "InverseSqrt", "NonFiniteLossError", "RunDirError", "Trainer", "WarmupConstant",
-    "WarmupCosine", "build_lr_schedule", "find_weights", "generate", "latest_checkpoint", "load_run_model",
-    "plot_curves", "read_checkpoint", "save_checkpoint",
+    "EMA", "InverseSqrt", "NonFiniteLossError", "PowerEMA", "StepResult", "Trainer", "WarmupConstant",
+    "WarmupCosine", "build_lr_schedule",
 ]

@@ -1,4 +1,9 @@
-"""Exponential moving average of the weights, with the usual decay warm-up."""
+"""Exponential moving average of the weights, with the usual decay warm-up.
+
+The trainer keeps a list of weight averagers (this EMA, and the power-function EMAs of `train/phema.py`
+when train.ema_sigma_rels is set) and calls each the same way after every optimiser step:
+`update(model, step)` with `step` the 1-based number of the step just taken.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ from torch import nn
 
 
 class EMA:
-    """theta_ema <- d_k theta_ema + (1 - d_k) theta, d_k = min(decay, (1 + k) / (10 + k)) with warm-up.
+    """theta_ema <- d theta_ema + (1 - d) theta after optimiser step `step` (1-based), with the warm-up
+    d = min(decay, step / (9 + step)), i.e. min(decay, (1 + k) / (10 + k)) for the 0-based step k.
 
     The warm-up keeps early EMA weights from being dominated by the random init. Buffers are copied.
     The EMA copy is kept in eval mode and never trained.
@@ -21,7 +27,9 @@ class EMA:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
 
     def decay_at(self, step: int) -> float:
-        return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
+        """The decay applied by the update after optimiser step `step` (1-based)."""
+        k = step - 1
+        return min(self.decay, (1 + k) / (10 + k)) if self.warmup else self.decay
 
     @torch.no_grad()
     def update(self, model: nn.Module, step: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -101,4 +102,31 @@ def format_flops(x: float) -> str:
     return f"{x:.3g} FLOP"
 
 
-__all__ = ["count_train_flops", "format_flops", "measure_peak_flops"]
+
+
+def flop_report(model: nn.Module, formulation, cfg, sample_shape: tuple[int, ...], dist_info,
+                device: torch.device) -> dict[str, float]:
+    """{"flops_per_step": training FLOPs of one step at the global batch (0 when the model cannot be counted;
+    counted on rank 0 only), "peak_flops": peak FLOP/s of all processes together}.
+
+    The peak is train.peak_flops x processes, or else each rank's measured matmul rate summed over ranks
+    (measured concurrently, so processes sharing one CPU share its peak). Collective under DDP.
+    """
+    from ..utils.distributed import all_reduce_sum
+
+    t = cfg.train
+    flops = 0
+    if dist_info.is_main:
+        try:
+            flops = count_train_flops(model, formulation, cfg, sample_shape)
+        except RuntimeError as e:
+            warnings.warn(f"no FLOP count, so no MFU in the log: {e}", stacklevel=2)
+    if t.peak_flops:
+        peak = t.peak_flops * dist_info.world_size
+    else:
+        peak = all_reduce_sum(measure_peak_flops(device, torch.bfloat16 if t.bf16 else torch.float32), dist_info,
+                              device)
+    return {"flops_per_step": float(flops), "peak_flops": float(peak)}
+
+
+__all__ = ["count_train_flops", "flop_report", "format_flops", "measure_peak_flops"]

@@ -190,7 +190,8 @@ class PowerEMA:
     (sigma_rel is relative to the time since step 0).
     """
 
-    def __init__(self, model: nn.Module, sigma_rels: Iterable[float] = (0.05, 0.10)):
+    def __init__(self, model: nn.Module, sigma_rels: Iterable[float] = (0.05, 0.10),
+                 snapshot_dir: str | os.PathLike | None = None, snapshot_every: int = 0):
         self.sigma_rels: tuple[float, ...] = tuple(float(s) for s in sigma_rels)
         if not self.sigma_rels:
             raise ValueError("need at least one sigma_rel")
@@ -206,6 +207,9 @@ class PowerEMA:
             for _ in self.sigma_rels
         ]
         self.step = 0
+        # With a directory: `update` also writes snapshots every `snapshot_every` steps (the trainer's way).
+        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        self.snapshot_every = snapshot_every
 
     # -- training ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -214,6 +218,8 @@ class PowerEMA:
 
         ``step`` is the 1-based index of the optimiser step just taken and must increase; consecutive calls use
         ``beta = power_ema_beta(step, gamma)``; a gap (updates every k steps) uses ``dt = step - previous step``.
+        With a ``snapshot_dir``, every ``snapshot_every``-th step also writes a snapshot (with the model's
+        persistent buffers).
         """
         step = int(step)
         if step <= self.step:
@@ -231,6 +237,9 @@ class PowerEMA:
             beta = power_ema_beta(step, gamma, dt)
             torch._foreach_lerp_([ema[n] for n in self.names], src, 1.0 - beta)
         self.step = step
+        if self.snapshot_dir is not None and self.snapshot_every and step % self.snapshot_every == 0:
+            sd = model.state_dict()  # persistent buffers only: what load_state_dict expects
+            self.snapshot(self.snapshot_dir, step, {k: b for k, b in model.named_buffers() if k in sd})
 
     # -- access ----------------------------------------------------------------------------------------------
     def _index(self, sigma_rel: float) -> int:

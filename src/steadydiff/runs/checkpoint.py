@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..utils.errors import SteadydiffError
 from ..utils.io import atomic_write_text, fsync_dir
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -36,7 +37,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DELAY_ENV = "STEADYDIFF_TEST_CKPT_WRITE_DELAY"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SteadydiffError):
     """A checkpoint is missing or unreadable; the message names the fix."""
 
 

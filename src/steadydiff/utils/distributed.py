@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
+from .errors import ConfigError
 
 # Rank 0 alone computes the eval metrics (and, the first time, their reference statistics) while the others
 # wait in a collective; the default NCCL timeout (10 minutes) is too short for that. Override with
