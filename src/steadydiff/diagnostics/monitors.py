@@ -33,8 +33,9 @@ def block_groups(model: nn.Module) -> OrderedDict[str, list[nn.Parameter]]:
     """Parameters grouped by block: children of top-level ModuleLists count as blocks (`down.3`,
     `out_blocks.0`), other top-level children are one block each (`embed`, `mid`, `out`)."""
     groups: OrderedDict[str, list[nn.Parameter]] = OrderedDict()
-    # Wrappers (EDM preconditioning, the diffusers adapter) hold the backbone as one child: look inside it.
-    wrapped = {n for n in ("net", "unet") if isinstance(getattr(model, n, None), nn.Module)}
+    # Wrappers (EDM preconditioning, the diffusers adapter) name the child that holds the backbone in
+    # `backbone_attr`: its blocks are looked up inside it.
+    wrapped = {getattr(model, "backbone_attr", None)} - {None}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -231,3 +232,14 @@ class MagnitudeMonitor(Monitor):
                 sq = sum(float(p.detach().float().pow(2).sum()) for p in weights)
                 out[f"mag/weight/{key}"] = math.sqrt(sq / total)
         return out
+
+
+def build_monitors(d, trainer, run_dir: Path) -> list[Monitor]:
+    """The monitors a DiagnosticsConfig `d` turns on (interval 0 = off); the probe batch is stored in
+    `run_dir/probe.safetensors` so that a resumed run probes the same examples."""
+    monitors: list[Monitor] = [GradNormMonitor(d.grad_every), UpdateRatioMonitor(d.update_every)]
+    if d.probe_every or d.magnitude_every:
+        probe = ProbeBatch.load_or_create(run_dir / "probe.safetensors", trainer, d.probe_size,
+                                          d.probe_seed).to(trainer.device)
+        monitors += [ProbeMonitor(d.probe_every, probe), MagnitudeMonitor(d.magnitude_every, probe)]
+    return [m for m in monitors if m.every > 0]

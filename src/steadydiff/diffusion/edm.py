@@ -51,6 +51,8 @@ class EDMPrecond(nn.Module):
     comparable range).
     """
 
+    backbone_attr = "net"  # the child holding the backbone (diagnostics group its blocks inside it)
+
     def __init__(self, net: nn.Module, sigma_data: float = 0.5, learn_uncertainty: bool = True):
         super().__init__()
         self.net = net

@@ -85,6 +85,8 @@ class DiffusersUNetAdapter(nn.Module):
     """Give a diffusers UNet steadydiff's backbone interface `model(x, t, labels)` so that the steadydiff
     Trainer, samplers and diagnostics drive it: `Trainer(cfg, run_dir, model=DiffusersUNetAdapter(unet))`."""
 
+    backbone_attr = "unet"  # the child holding the backbone (diagnostics group its blocks inside it)
+
     def __init__(self, unet: nn.Module):
         super().__init__()
         self.unet = unet

@@ -30,40 +30,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .. import runs
 from ..config import Config, ConfigError, dump_config
 from ..data import InfiniteSampler, get_batch, load_dataset
-from ..diagnostics.monitors import (
-    GradNormMonitor,
-    MagnitudeMonitor,
-    Monitor,
-    ProbeBatch,
-    ProbeMonitor,
-    UpdateRatioMonitor,
-)
+from ..diagnostics.monitors import Monitor, build_monitors
 from ..diffusion import build_formulation, check_sampler, generate
 from ..nn import build_model
-from ..runs import (
-    MetricsLog,
-    RunDirError,
-    check_run_dir,
-    check_sample_shape,
-    latest_checkpoint,
-    plot_curves,
-    read_checkpoint,
-    save_checkpoint,
-    truncate_after,
-    write_config,
-)
+from ..utils import distributed as dist_utils
 from ..utils.device import pick_device
-from ..utils.distributed import (
-    all_reduce_mean,
-    barrier,
-    check_replicas_in_sync,
-    init_distributed,
-    local_main_first,
-    same_on_all_ranks,
-    shutdown_distributed,
-)
 from ..utils.images import save_samples
 from ..utils.rng import draw_normal, step_generator
 from .ema import EMA
@@ -71,9 +45,9 @@ from .faults import with_faults
 from .flops import flop_report
 from .momentum import build_momentum
 from .nonfinite import build_nonfinite_policy
-from .optimizer import TrainLoss, build_optimizer
 from .phema import PowerEMA
 from .schedules import build_lr_schedule
+from .step import TrainLoss, build_optimizer, wrap_loss_module
 from .timesteps import build_timesteps, level_histogram
 
 
@@ -105,10 +79,10 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.show_progress = show_progress
         check_sampler(cfg.diffusion.kind, cfg.train.sample_sampler, "train.sample_sampler")
-        check_run_dir(self.run_dir, cfg)
+        runs.check_run_dir(self.run_dir, cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.dist, self.device = init_distributed(pick_device(cfg.train.device))
+        self.dist, self.device = dist_utils.init_distributed(pick_device(cfg.train.device))
         try:
             self._setup(model)
         except BaseException:
@@ -122,7 +96,7 @@ class Trainer:
                 f"train.batch_size={t.batch_size} is the global batch and must be divisible by the number of "
                 f"processes ({world}) x train.grad_accum ({t.grad_accum}); use a multiple of {world * t.grad_accum}"
             )
-        with local_main_first(self.dist):  # a first run may download the data: once per node
+        with dist_utils.local_main_first(self.dist):  # a first run may download the data: once per node
             self.dataset = load_dataset(cfg.data)
         self.sampler = InfiniteSampler(len(self.dataset), seed=t.seed)
         if cfg.model.num_classes and cfg.model.num_classes != self.dataset.num_classes:
@@ -155,60 +129,37 @@ class Trainer:
         self._last_saved: int | None = None  # the step of the newest checkpoint on disk
         self.log_window: list[StepResult] = []  # steps since the last metrics.jsonl record (saved in checkpoints)
         self._resume()
-        if not same_on_all_ranks(self.step, self.dist, self.device):  # the run directory must be shared
-            raise RunDirError(f"the processes found different checkpoints in {self.run_dir} (this one: step "
+        if not dist_utils.same_on_all_ranks(self.step, self.dist, self.device):  # the run directory must be shared
+            raise runs.RunDirError(f"the processes found different checkpoints in {self.run_dir} (this one: step "
                               f"{self.step}); put --out on a file system that every node sees")
         self.monitors: list[Monitor] | None = None  # built in fit(): the probe batch lives in the run dir
         self._flops: dict[str, float] | None = None
-        self._build_step_forward()
+        self._step_forward, self._ddp = wrap_loss_module(TrainLoss(self.model, self.diffusion), self.dist,
+                                                         self.device, t.compile)
         self._forward_backward = with_faults(self._forward_backward, self.model, t)
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if t.bf16 else nullcontext
 
-    def _build_step_forward(self) -> None:
-        """The callable a training step runs: the loss module, wrapped in DDP and/or torch.compile."""
-        self._loss_module = TrainLoss(self.model, self.diffusion)
-        self._ddp = None
-        forward: nn.Module = self._loss_module
-        if self.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # Broadcasts rank 0's weights once here; afterwards DDP averages gradients in backward.
-            self._ddp = DistributedDataParallel(
-                self._loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-            forward = self._ddp
-        if self.cfg.train.compile:
-            # Compiling the DDP module lets Dynamo split the graph at DDP's gradient buckets, so the
-            # all-reduce still overlaps the backward.
-            forward = torch.compile(forward)
-        self._step_forward = forward
-
     def close(self) -> None:
         """Leave the process group if this trainer created it (`steadydiff train` does this at the end)."""
-        shutdown_distributed(self.dist)
+        dist_utils.shutdown_distributed(self.dist)
 
     def _build_monitors(self) -> list[Monitor]:
-        d = self.cfg.diagnostics
-        monitors: list[Monitor] = [GradNormMonitor(d.grad_every), UpdateRatioMonitor(d.update_every)]
-        if d.probe_every or d.magnitude_every:
-            probe = ProbeBatch.load_or_create(self.run_dir / "probe.safetensors", self, d.probe_size,
-                                              d.probe_seed).to(self.device)
-            monitors += [ProbeMonitor(d.probe_every, probe), MagnitudeMonitor(d.magnitude_every, probe)]
-        return [m for m in monitors if m.every > 0]
+        return build_monitors(self.cfg.diagnostics, self, self.run_dir)
 
     @property
     def ckpt_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return runs.checkpoint_dir(self.run_dir)
 
     @property
     def skipped_steps(self) -> int:
         return self.nonfinite.skipped_steps
 
     def _resume(self) -> None:
-        ckpt_path = latest_checkpoint(self.ckpt_dir)
+        ckpt_path = runs.latest_checkpoint(self.ckpt_dir)
         if ckpt_path is None:
             return
-        ckpt = read_checkpoint(ckpt_path)
-        check_sample_shape(self.run_dir, ckpt.state.get("sample_shape"), self.dataset.sample_shape)
+        ckpt = runs.read_checkpoint(ckpt_path)
+        runs.check_sample_shape(self.run_dir, ckpt.state.get("sample_shape"), self.dataset.sample_shape)
         self.model.load_state_dict(ckpt.model)
         if ckpt.ema is not None:
             self.ema.model.load_state_dict(ckpt.ema)
@@ -278,7 +229,7 @@ class Trainer:
         x, labels, levels, noise, weights, all_levels = self._batch(k)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._forward_backward(k, x, labels, levels, noise, weights)
-        loss_value = float(all_reduce_mean(loss, self.dist))  # every rank sees a NaN and stops together
+        loss_value = float(dist_utils.all_reduce_mean(loss, self.dist))  # every rank sees a NaN and stops together
         if not math.isfinite(loss_value):
             return self._bad_step(k, f"loss is {loss_value}", loss_value, all_levels)
         diag: dict[str, float] = {}
@@ -325,9 +276,9 @@ class Trainer:
                                     for r in self.log_window]}
             if self.power_ema is not None:
                 state["power_ema"] = self.power_ema.state_dict()
-            path = save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(),
+            path = runs.save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(),
                                    self.ema.model.state_dict(), state, keep=self.cfg.train.keep_ckpts)
-        check_replicas_in_sync(self.model, self.dist, self.device)
+        dist_utils.check_replicas_in_sync(self.model, self.dist, self.device)
         self._last_saved = self.step
         return path
 
@@ -386,14 +337,14 @@ class Trainer:
         t, main = self.cfg.train, self.dist.is_main
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_config(self.run_dir, self.cfg)
-            truncate_after(self.run_dir, self.step)  # a resumed run writes later records again
+            runs.write_config(self.run_dir, self.cfg)
+            runs.truncate_after(self.run_dir, self.step)  # a resumed run writes later records again
         fl = self.flop_report()
         bar = tqdm(total=t.steps, initial=self.step, desc="train", disable=not (self.show_progress and main),
                    dynamic_ncols=True)
         # Monitors only on rank 0: after DDP's all-reduce its gradients and weights are everyone's.
         self.monitors = self._build_monitors() if main else []
-        with MetricsLog(self.run_dir, enabled=main, tensorboard=self.cfg.diagnostics.tensorboard) as log:
+        with runs.MetricsLog(self.run_dir, enabled=main, tensorboard=self.cfg.diagnostics.tensorboard) as log:
             if fl["flops_per_step"] and self.step == 0:  # once per run: a resumed run keeps its record
                 log.write({"step": self.step, "flops_per_step": fl["flops_per_step"],
                            "peak_flops": fl["peak_flops"], "world_size": self.dist.world_size})
@@ -419,7 +370,7 @@ class Trainer:
                     log.sync()
                     self.save()  # every rank: it ends with a barrier
                     if main:
-                        plot_curves(self.run_dir)
+                        runs.plot_curves(self.run_dir)
                 if main and t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
                     self._write_samples()
                 # Periodic eval, shared by all ranks (each samples its chunks; rank 0 gathers the features and
@@ -432,6 +383,6 @@ class Trainer:
             self.save()
         if main:
             self._write_samples()
-            plot_curves(self.run_dir)
-        barrier(self.dist)  # nobody leaves (and tears the group down) while rank 0 still writes
+            runs.plot_curves(self.run_dir)
+        dist_utils.barrier(self.dist)  # nobody leaves (and tears the group down) while rank 0 still writes
         return {"step": self.step, "run_dir": str(self.run_dir)}

@@ -37,7 +37,7 @@ class MomentumSchedule:
         return (1 - self.beta0) / (1 - self.demon_beta1(step)) if self.compensate_lr else 1.0
 
 
-PRESETS = {
+MOMENTUM_PRESETS = {
     "constant": dict(decay_beta=False, compensate_lr=False),
     "mdlrc": dict(decay_beta=True, compensate_lr=True),
     "momentum_decay_only": dict(decay_beta=True, compensate_lr=False),
@@ -49,4 +49,4 @@ def build_momentum(cfg) -> MomentumSchedule:
     """From a Config: train.momentum names a preset; K_m = train.momentum_steps or train.steps."""
     t = cfg.train
     return MomentumSchedule(beta0=t.betas[0], steps=t.momentum_steps or t.steps, beta_end=t.momentum_beta_end,
-                            name=t.momentum, **PRESETS[t.momentum])
+                            name=t.momentum, **MOMENTUM_PRESETS[t.momentum])

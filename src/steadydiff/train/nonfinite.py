@@ -79,6 +79,13 @@ class SkipNonFinite(StopOnNonFinite):
         self.consecutive = int(state.get("consecutive", 0))
 
 
+# train.nonfinite -> the policy, built from a TrainConfig and the checkpoint directory.
+NONFINITE_POLICIES = {
+    "stop": lambda t, ckpt_dir: StopOnNonFinite(ckpt_dir),
+    "skip": lambda t, ckpt_dir: SkipNonFinite(ckpt_dir, t.max_consecutive_skips),
+}
+
+
 def build_nonfinite_policy(t, ckpt_dir: Path) -> StopOnNonFinite:
     """The policy train.nonfinite names (a TrainConfig `t`)."""
-    return SkipNonFinite(ckpt_dir, t.max_consecutive_skips) if t.nonfinite == "skip" else StopOnNonFinite(ckpt_dir)
+    return NONFINITE_POLICIES[t.nonfinite](t, ckpt_dir)

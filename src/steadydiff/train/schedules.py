@@ -52,11 +52,14 @@ class InverseSqrt:
         return _warmup(step, self.warmup_steps) / math.sqrt(max(step / self.ref_steps, 1.0))
 
 
+# train.lr_schedule -> the schedule, built from a TrainConfig.
+LR_SCHEDULES = {
+    "constant": lambda t: WarmupConstant(t.warmup_steps),
+    "cosine": lambda t: WarmupCosine(t.warmup_steps, t.steps),
+    "inv_sqrt": lambda t: InverseSqrt(t.warmup_steps, t.lr_ref_steps),
+}
+
+
 def build_lr_schedule(cfg) -> WarmupConstant | WarmupCosine | InverseSqrt:
     """From a TrainConfig: `lr_schedule` constant | cosine | inv_sqrt."""
-    schedules = {
-        "constant": lambda: WarmupConstant(cfg.warmup_steps),
-        "cosine": lambda: WarmupCosine(cfg.warmup_steps, cfg.steps),
-        "inv_sqrt": lambda: InverseSqrt(cfg.warmup_steps, cfg.lr_ref_steps),
-    }
-    return schedules[cfg.lr_schedule]()
+    return LR_SCHEDULES[cfg.lr_schedule](cfg)

@@ -67,13 +67,18 @@ class CLTSTimesteps:
         return ((1.0 / self.bins) / self.probs(step)[cell]).to(s.device, torch.float32)
 
 
+# train.timesteps -> the noise-level sampler, built from a TrainConfig and the formulation. CLTS's horizon
+# K_c defaults to train.steps.
+TIMESTEP_SAMPLERS = {
+    "base": lambda t, formulation: BaseTimesteps(formulation),
+    "clts": lambda t, formulation: CLTSTimesteps(t.clts_mu, t.clts_sigma, t.clts_steps or t.steps,
+                                                  importance=t.clts_importance, eps=formulation.t_eps),
+}
+
+
 def build_timesteps(cfg, formulation) -> BaseTimesteps | CLTSTimesteps:
-    """From a Config: train.timesteps = base | clts (CLTS horizon K_c defaults to train.steps)."""
-    t = cfg.train
-    if t.timesteps == "clts":
-        return CLTSTimesteps(t.clts_mu, t.clts_sigma, t.clts_steps or t.steps, importance=t.clts_importance,
-                             eps=formulation.t_eps)
-    return BaseTimesteps(formulation)
+    """From a Config: train.timesteps = base | clts."""
+    return TIMESTEP_SAMPLERS[cfg.train.timesteps](cfg.train, formulation)
 
 
 def level_histogram(levels: list[Tensor], bins: int = 10) -> list[int]:

@@ -1,4 +1,4 @@
-"""The optimiser and the loss module the training step runs."""
+"""The pieces a training step runs: the optimiser, and the loss module wrapped for DDP and torch.compile."""
 
 from __future__ import annotations
 
@@ -32,3 +32,20 @@ class TrainLoss(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None, t: torch.Tensor,
                 noise: torch.Tensor) -> torch.Tensor:
         return self.formulation.loss(self.model, x, labels, t=t, noise=noise)
+
+
+def wrap_loss_module(loss_module: TrainLoss, dist_info, device: torch.device, compile: bool):
+    """(the callable a training step runs, the DDP module or None): the loss module, wrapped in DDP under
+    torchrun and/or in torch.compile."""
+    ddp, forward = None, loss_module
+    if dist_info.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Broadcasts rank 0's weights once here; afterwards DDP averages gradients in backward.
+        ddp = forward = DistributedDataParallel(loss_module,
+                                                device_ids=[device.index] if device.type == "cuda" else None)
+    if compile:
+        # Compiling the DDP module lets Dynamo split the graph at DDP's gradient buckets, so the all-reduce
+        # still overlaps the backward.
+        forward = torch.compile(forward)
+    return forward, ddp
