@@ -27,29 +27,20 @@ def chunk_seed(seed: int, k: int) -> int:
     return int(np.random.SeedSequence([seed % 2**64, k]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-def _gen_device(generator: torch.Generator | None, device: torch.device | str | None) -> torch.device:
-    if generator is not None:
-        return generator.device
-    return torch.device(device) if device is not None else torch.device("cpu")
-
-
-def draw_normal(
-    shape: tuple[int, ...] | torch.Size,
-    generator: torch.Generator | None,
-    device: torch.device | str | None,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """N(0, I) drawn on the generator's device (a CPU generator cannot feed a CUDA draw), then moved."""
-    out = torch.randn(tuple(shape), generator=generator, device=_gen_device(generator, device), dtype=dtype)
+def _draw(fn, shape, generator: torch.Generator | None, device, dtype: torch.dtype) -> Tensor:
+    # Drawn on the generator's device (a CPU generator cannot feed a CUDA draw), then moved to `device`.
+    where = generator.device if generator is not None else torch.device(device if device is not None else "cpu")
+    out = fn(tuple(shape), generator=generator, device=where, dtype=dtype)
     return out.to(device) if device is not None else out
 
 
-def draw_uniform(
-    shape: tuple[int, ...] | torch.Size,
-    generator: torch.Generator | None,
-    device: torch.device | str | None,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """U[0, 1) drawn on the generator's device, then moved to `device`."""
-    out = torch.rand(tuple(shape), generator=generator, device=_gen_device(generator, device), dtype=dtype)
-    return out.to(device) if device is not None else out
+def draw_normal(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None,
+                device: torch.device | str | None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """N(0, I) from `generator`, on `device`."""
+    return _draw(torch.randn, shape, generator, device, dtype)
+
+
+def draw_uniform(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None,
+                 device: torch.device | str | None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """U[0, 1) from `generator`, on `device`."""
+    return _draw(torch.rand, shape, generator, device, dtype)
