@@ -12,13 +12,18 @@ from steadydiff.diagnostics.sensitivity import jacobian_spectral_norm, perturbat
 from steadydiff.diagnostics.stats import (
     coefficient_of_variation,
     count_spikes,
+    detrended_cv,
     detrended_std,
+    log_residual_std,
+    max_to_median,
     mean_abs_delta,
     median_abs_log_delta,
     moving_average,
     oscillation_summary,
+    spike_fraction,
     spike_indices,
     spike_ratio,
+    trailing_median,
 )
 from steadydiff.diagnostics.theory import (
     decoder_blocks,
@@ -138,7 +143,8 @@ def test_oscillation_summary():
     loss = 1.0 + 0.1 * rng.random(200)
     signed = rng.normal(size=200)
     out = oscillation_summary({"loss": loss, "signed": signed}, warmup=20)
-    keys = {"n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes"}
+    keys = {"n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes",
+            "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv"}
     assert set(out) == {"loss", "signed"} and all(set(v) == keys for v in out.values())
     s = out["loss"]
     assert s["n"] == 180.0
@@ -151,6 +157,131 @@ def test_oscillation_summary():
     assert all(isinstance(v, float) for v in s.values())
     assert math.isnan(out["signed"]["median_abs_log_delta"])  # logs of a signed series: undefined
     assert math.isfinite(out["signed"]["mean_abs_delta"])
+
+
+# spike-aware, trend-insensitive statistics
+
+
+def test_trailing_median_matches_a_direct_loop():
+    y = np.random.default_rng(3).random(90)
+    for window, min_history in [(20, 5), (7, 1), (10, 15), (200, 3)]:
+        m = trailing_median(y, window, min_history)
+        expected = [np.median(y[max(0, i - window):i]) if i >= min_history else np.nan for i in range(90)]
+        np.testing.assert_array_equal(m, expected)
+    assert np.isnan(trailing_median(np.ones(4), 50, 5)).all()
+    with pytest.raises(ValueError):
+        trailing_median(y, 0, 5)
+    with pytest.raises(ValueError):
+        trailing_median(y, 10, 0)
+
+
+def _spiky(n=800, seed=4):
+    """1 + noise in [0, 0.01), 10x spikes at `big` and 4x spikes at `mid` (all isolated, full windows)."""
+    base = 1.0 + 0.01 * np.random.default_rng(seed).random(n)
+    x = base.copy()
+    big, mid = [80, 200, 333, 500, 650, 799], [120, 420, 700]
+    x[big] = 10.0
+    x[mid] = 4.0
+    return base, x, big, mid
+
+
+def test_spike_statistics_on_known_spikes():
+    base, x, big, mid = _spiky()
+    judged = len(x) - 5  # min_history=5: the first 5 points are not judged
+    assert spike_fraction(x, factor=5.0) == len(big) / judged
+    assert spike_fraction(x, factor=3.0) == (len(big) + len(mid)) / judged
+    assert spike_fraction(x, factor=5.0) * judged == count_spikes(x, k=5.0)  # the same rule
+    assert spike_indices(x, k=3.0) == sorted(big + mid)
+    assert spike_fraction(base, factor=3.0) == 0.0
+    assert max_to_median(x) == pytest.approx(10.0, rel=0.02)
+    assert max_to_median(base) < 1.02
+    # 6 x log(10) and 3 x log(4) among 795 judged points: sqrt((6 * 5.30 + 3 * 1.92) / 795) ~ 0.22.
+    assert log_residual_std(x) > 0.15 > 10 * log_residual_std(base)
+    # A median statistic cannot see rare spikes: the 9 spikes barely move it.
+    assert median_abs_log_delta(x) == pytest.approx(median_abs_log_delta(base), rel=0.1)
+
+
+def test_trend_is_not_measured_by_the_new_statistics():
+    k = np.arange(2000)
+    decay = np.exp(-k / 300)
+    linear = 1.0 + 0.001 * k
+    for trend in (decay, linear):
+        assert spike_fraction(trend, factor=5.0) == 0.0
+        assert spike_fraction(trend, factor=3.0) == 0.0
+    # Geometric series: y_i / m_i is the same constant at every judged point when all windows are full.
+    assert log_residual_std(decay, min_history=50) < 1e-9
+    assert max_to_median(decay) < 1.0  # decreasing: every point is below its trailing median
+    assert detrended_cv(linear) < 1e-9
+    assert detrended_cv(decay) < 1e-3
+    # The trend-sensitive statistics see the trend as "oscillation".
+    assert coefficient_of_variation(decay) > 0.5
+    assert coefficient_of_variation(linear) > 0.25
+    assert detrended_cv(decay + 0.05 * (-1.0) ** k) > 0.05  # but an oscillation is seen
+
+
+def test_spike_statistics_find_the_planted_spikes_on_a_decaying_trend():
+    rng = np.random.default_rng(5)
+    n = 2000
+    x = np.exp(-np.arange(n) / 300) * (1.0 + 0.05 * rng.random(n))
+    big, mid = [100, 400, 401, 900, 1500, 1999], [250, 1200]
+    x[big] *= 10.0
+    x[mid] *= 4.0
+    judged = n - 5
+    assert spike_indices(x, k=5.0) == big
+    assert spike_indices(x, k=3.0) == sorted(big + mid)
+    assert spike_fraction(x, factor=5.0) == len(big) / judged
+    assert spike_fraction(x, factor=3.0) == (len(big) + len(mid)) / judged
+    assert 8.0 < max_to_median(x) < 11.0
+    assert detrended_cv(x) > 10 * detrended_cv(np.exp(-np.arange(n) / 300))
+
+
+def test_new_statistics_edge_cases_and_warmup():
+    for fn in (spike_fraction, max_to_median, log_residual_std):
+        with pytest.raises(ValueError):
+            fn(np.ones(5))  # min_history=5 needs 6 points
+        assert fn(np.ones(6)) == (0.0 if fn is spike_fraction else 1.0 if fn is max_to_median else 0.0)
+        with pytest.raises(ValueError):
+            fn(np.ones(20), window=0)
+        with pytest.raises(ValueError):
+            fn(np.ones(20), warmup=15)
+    with pytest.raises(ValueError):
+        log_residual_std(np.r_[np.ones(20), 0.0, np.ones(5)])
+    with pytest.raises(ValueError):
+        log_residual_std(-np.ones(20))
+    with pytest.raises(ValueError):
+        max_to_median(np.zeros(20))
+    with pytest.raises(ValueError):
+        detrended_cv(np.ones(20), window=21)
+    assert detrended_cv(np.ones(21), window=21) == 0.0
+    assert detrended_cv(np.ones(21), window=20) == 0.0  # even: widened to 21, as in moving_average
+    with pytest.raises(ValueError):
+        detrended_cv(np.ones(20), window=20)
+    with pytest.raises(ValueError):
+        detrended_cv(np.zeros(30))
+    # The warm-up is neither judged nor history.
+    x = np.r_[np.full(10, 0.1), np.ones(40)]
+    assert spike_fraction(x, window=20) > 0 and max_to_median(x, window=20) == pytest.approx(10.0)
+    assert spike_fraction(x, window=20, warmup=10) == 0.0
+    assert max_to_median(x, window=20, warmup=10) == 1.0
+    assert log_residual_std(x, window=20, warmup=10) == 0.0
+    assert spike_fraction(x, window=20, warmup=100, steps=np.arange(50) * 10) == 0.0
+    y = np.r_[np.full(10, 100.0), 1.0 + 0.01 * np.arange(60)]
+    assert detrended_cv(y, window=5) > 0.1
+    assert detrended_cv(y, window=5, warmup=10) < 1e-12
+
+
+def test_oscillation_summary_new_keys():
+    _, x, big, mid = _spiky()
+    out = oscillation_summary({"x": x, "neg": -x}, warmup=0)["x"]
+    assert out["spike_frac_5x"] == spike_fraction(x, factor=5.0) == len(big) / (len(x) - 5)
+    assert out["spike_frac_3x"] == spike_fraction(x, factor=3.0)
+    assert out["max_to_median"] == max_to_median(x)
+    assert out["log_residual_std"] == log_residual_std(x)
+    assert out["detrended_cv"] == detrended_cv(x, window=21)  # summary window 20 -> 21 points
+    neg = oscillation_summary({"neg": -x})["neg"]
+    assert math.isnan(neg["log_residual_std"]) and math.isnan(neg["max_to_median"])  # undefined -> nan
+    short = oscillation_summary({"s": [1.0, 2.0, 3.0]})["s"]
+    assert all(math.isnan(short[k]) for k in ("spike_frac_5x", "max_to_median", "detrended_cv"))
 
 
 # ---------------------------------------------------------------------------------------------------------

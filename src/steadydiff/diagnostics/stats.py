@@ -24,13 +24,18 @@ import numpy as np
 __all__ = [
     "coefficient_of_variation",
     "count_spikes",
+    "detrended_cv",
     "detrended_std",
+    "log_residual_std",
+    "max_to_median",
     "mean_abs_delta",
     "median_abs_log_delta",
     "moving_average",
     "oscillation_summary",
+    "spike_fraction",
     "spike_indices",
     "spike_ratio",
+    "trailing_median",
 ]
 
 ArrayLike = Any  # a 1-D sequence of numbers: list, tuple, numpy array, CPU tensor
@@ -45,19 +50,25 @@ def _as_1d(x: ArrayLike, name: str = "x") -> np.ndarray:
     return arr
 
 
-def _drop_warmup(x: ArrayLike, warmup: float, steps: ArrayLike | None) -> np.ndarray:
-    """The kept values: the first `warmup` points dropped, or the points with step < warmup if `steps`."""
+def _kept(x: ArrayLike, warmup: float, steps: ArrayLike | None) -> tuple[np.ndarray, np.ndarray | slice]:
+    """(all values, selector of the kept ones): the first `warmup` points dropped, or those with step < warmup."""
     arr = _as_1d(x)
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if steps is None:
         if warmup != int(warmup):
             raise ValueError(f"warmup is a count of points when steps is None, got {warmup}")
-        return arr[int(warmup):]
+        return arr, slice(int(warmup), None)
     st = _as_1d(steps, "steps")
     if st.shape != arr.shape:
         raise ValueError(f"steps has {st.shape[0]} entries, values have {arr.shape[0]}")
-    return arr[st >= warmup]
+    return arr, st >= warmup
+
+
+def _drop_warmup(x: ArrayLike, warmup: float, steps: ArrayLike | None) -> np.ndarray:
+    """The kept values: the first `warmup` points dropped, or the points with step < warmup if `steps`."""
+    arr, sel = _kept(x, warmup, steps)
+    return arr[sel]
 
 
 def _need(arr: np.ndarray, n: int, what: str) -> None:
@@ -154,6 +165,35 @@ def mean_abs_delta(x: ArrayLike, warmup: float = 0, *, steps: ArrayLike | None =
     return float(np.mean(np.abs(np.diff(arr))))
 
 
+def trailing_median(y: ArrayLike, window: int = 50, min_history: int = 5) -> np.ndarray:
+    """Trailing running median m of a 1-D series y (no warm-up handling), same length as y (numpy float64).
+
+        m_i = median(y_{max(0, i - window)} .. y_{i-1})      for i >= min_history,
+        m_i = nan                                          for i <  min_history (point not judged),
+
+    i.e. the median of the (up to) `window` points BEFORE i, the point itself excluded: i predecessors while
+    i < window, exactly `window` of them from i = window on. Point i is "judged" iff i >= min_history (it
+    has at least `min_history` predecessors); with min_history >= window every judged point has a full window.
+    Needs window >= 1 and min_history >= 1 (ValueError otherwise). A nan inside a window makes that m_i nan.
+    """
+    window = int(window)
+    min_history = int(min_history)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if min_history < 1:
+        raise ValueError(f"min_history must be >= 1, got {min_history}")
+    arr = _as_1d(y, "y")
+    n = arr.shape[0]
+    med = np.full(n, np.nan)
+    first_full = max(window, min_history)
+    if n > first_full:  # full windows, vectorised: row r = y[r : r + window] is the history of point r + window
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], window)
+        med[first_full:] = np.median(windows[first_full - window:], axis=1)
+    for i in range(min_history, min(window, n)):  # partial history: all predecessors y[0 : i]
+        med[i] = np.median(arr[:i])
+    return med
+
+
 def spike_indices(
     x: ArrayLike,
     k: float = 3.0,
@@ -169,41 +209,16 @@ def spike_indices(
 
         y_i > k * median(y_{max(0, i - window)} .. y_{i-1})
 
-    i.e. the trailing median of (up to) the `window` preceding kept points, the point itself excluded. A point
-    with fewer than `min_history` kept predecessors is not judged (never a spike). Spikes stay in the history
-    of later points (the median is robust to a few of them). Intended for positive series.
+    i.e. the trailing median of (up to) the `window` preceding kept points, the point itself excluded (see
+    `trailing_median`). A point with fewer than `min_history` kept predecessors is not judged (never a spike).
+    Spikes stay in the history of later points (the median is robust to a few of them). Intended for positive
+    series.
     """
-    window = int(window)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if min_history < 1:
-        raise ValueError(f"min_history must be >= 1, got {min_history}")
-    arr = _as_1d(x)
-    if steps is None:
-        _drop_warmup(arr, warmup, None)  # validates warmup
-        kept = np.arange(int(warmup), arr.shape[0])
-    else:
-        st = _as_1d(steps, "steps")
-        if st.shape != arr.shape:
-            raise ValueError(f"steps has {st.shape[0]} entries, values have {arr.shape[0]}")
-        if warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {warmup}")
-        kept = np.flatnonzero(st >= warmup)
+    arr, sel = _kept(x, warmup, steps)
+    kept = np.arange(arr.shape[0])[sel]
     y = arr[kept]
-    n = y.shape[0]
-    start = max(min_history, 1)
-    if n <= start:
-        return []
-    med = np.full(n, np.nan)
-    # Points with a full window of history: vectorised over sliding windows y[i - window : i].
-    if n > window:
-        windows = np.lib.stride_tricks.sliding_window_view(y[:-1], window)  # row r = y[r : r + window]
-        med[window:] = np.median(windows, axis=1)
-    for i in range(start, min(window, n)):  # partial history: all predecessors y[0 : i]
-        med[i] = np.median(y[:i])
-    judged = np.arange(n) >= start
     with np.errstate(invalid="ignore"):
-        is_spike = judged & (y > k * med)
+        is_spike = y > k * trailing_median(y, window, min_history)  # nan (not judged) compares False
     return [int(i) for i in kept[is_spike]]
 
 
@@ -218,6 +233,112 @@ def count_spikes(
 ) -> int:
     """Number of points x_i > k * (trailing median of the `window` preceding points); see `spike_indices`."""
     return len(spike_indices(x, k, window, warmup, min_history=min_history, steps=steps))
+
+
+def _judged(
+    x: ArrayLike, window: int, warmup: float, min_history: int, steps: ArrayLike | None, what: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(kept values, judged values y_i, their trailing medians m_i); ValueError if no point can be judged."""
+    arr = _drop_warmup(x, warmup, steps)
+    med = trailing_median(arr, window, min_history)  # validates window and min_history
+    _need(arr, int(min_history) + 1, f"{what} (min_history={int(min_history)})")
+    judged = slice(int(min_history), None)
+    return arr, arr[judged], med[judged]
+
+
+def spike_fraction(
+    x: ArrayLike,
+    factor: float = 5.0,
+    window: int = 50,
+    warmup: float = 0,
+    *,
+    min_history: int = 5,
+    steps: ArrayLike | None = None,
+) -> float:
+    """Fraction of the judged points that are spikes: #{i judged : y_i > factor * m_i} / #{i judged}.
+
+    On the kept points y_0, y_1, ... (after the warm-up), m_i is the trailing median of the (up to) `window`
+    preceding kept points, the point itself excluded, and point i is judged iff it has at least
+    `min_history` kept predecessors (see `trailing_median`; the same rule as `spike_indices`, so
+    spike_fraction * #judged == count_spikes(x, k=factor, ...)). Needs at least min_history + 1 kept points
+    (ValueError otherwise). A nan y_i or m_i counts as judged but not as a spike. Unlike `spike_ratio` (a
+    percentile), it sees rare spikes; on a monotone trend without spikes it is 0 for factor >= 1 whenever
+    the trend changes by less than `factor` over a window. Intended for positive series.
+    """
+    _, y, m = _judged(x, window, warmup, min_history, steps, "spike_fraction")
+    with np.errstate(invalid="ignore"):
+        return float(np.count_nonzero(y > factor * m)) / y.shape[0]
+
+
+def max_to_median(
+    x: ArrayLike,
+    window: int = 50,
+    warmup: float = 0,
+    *,
+    min_history: int = 5,
+    steps: ArrayLike | None = None,
+) -> float:
+    """max over the judged points of y_i / m_i: the largest value relative to its local (trailing) level.
+
+    y, m_i and "judged" as in `spike_fraction` (trailing median of the up to `window` preceding kept points;
+    points with at least `min_history` kept predecessors). Needs at least min_history + 1 kept points and
+    m_i > 0 at every judged point (ValueError otherwise); a nan y_i or m_i makes the result nan. A constant
+    positive series gives 1; a decreasing series without spikes gives < 1.
+    """
+    _, y, m = _judged(x, window, warmup, min_history, steps, "max_to_median")
+    if np.any(m <= 0):
+        raise ValueError("max_to_median needs positive trailing medians")
+    return float(np.max(y / m))
+
+
+def log_residual_std(
+    x: ArrayLike,
+    window: int = 50,
+    warmup: float = 0,
+    *,
+    min_history: int = 5,
+    steps: ArrayLike | None = None,
+) -> float:
+    """Population std (ddof=0) over the judged points of log(y_i / m_i).
+
+    y, m_i and "judged" as in `spike_fraction` (trailing median of the up to `window` preceding kept points;
+    points with at least `min_history` kept predecessors). Needs every kept value > 0 and at least
+    min_history + 1 kept points (ValueError otherwise). Scale-free and insensitive to a smooth trend: a
+    geometric series c r^k gives exactly 0 (up to rounding) when min_history >= window, since every judged
+    point then has a full window and y_i / m_i is the same constant; with partial windows (i < window) the
+    ratio drifts over the first points.
+    """
+    arr, y, m = _judged(x, window, warmup, min_history, steps, "log_residual_std")
+    if not np.all(arr > 0):
+        raise ValueError("log_residual_std needs strictly positive values")
+    return float(np.std(np.log(y / m)))
+
+
+def detrended_cv(x: ArrayLike, window: int = 21, warmup: float = 0, *, steps: ArrayLike | None = None) -> float:
+    """std(r) / mean(a), population std (ddof=0), with a the CENTRED moving average and r = y - a, both only
+    at the positions where the full window fits.
+
+    On the kept points y_0 .. y_{n-1} (after the warm-up), with h = window // 2 (windows have 2h + 1 points:
+    `window` if it is odd; an even window is widened by one, as in `moving_average`):
+
+        a_i = mean(y_{i-h} .. y_{i+h}),  r_i = y_i - a_i,   for h <= i <= n - 1 - h.
+
+    Needs window >= 1, at least 2h + 1 kept points and mean(a) != 0 (ValueError otherwise); the sign follows
+    mean(a). An affine trend gives exactly 0 (up to rounding), unlike `coefficient_of_variation`, which
+    measures the trend itself.
+    """
+    arr = _drop_warmup(x, warmup, steps)
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    h = window // 2
+    _need(arr, 2 * h + 1, f"detrended_cv (window={2 * h + 1})")
+    n = arr.shape[0]
+    a = moving_average(arr, 2 * h + 1)[h:n - h]  # the full centred windows only
+    mean = float(np.mean(a))
+    if mean == 0.0:
+        raise ValueError("detrended_cv is undefined when the moving average has mean 0")
+    return float(np.std(arr[h:n - h] - a)) / mean
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,7 +366,13 @@ def oscillation_summary(
     `steps` is either one sequence shared by all series, or a mapping name -> steps (missing names: no steps,
     so `warmup` counts points for them). Returns {name: {stat: value}} with the keys
 
-        n (kept points), mean, detrended_std, cv, median_abs_log_delta, spike_ratio, mean_abs_delta, spikes
+        n (kept points), mean, detrended_std, cv, median_abs_log_delta, spike_ratio, mean_abs_delta, spikes,
+        spike_frac_5x, spike_frac_3x, max_to_median, log_residual_std, detrended_cv
+
+    where detrended_std and detrended_cv use `window` (detrended_cv: 2 (window // 2) + 1 points, as
+    detrended_std's moving average), spike_ratio uses `q`, spikes = count_spikes with `spike_k`, and
+    spike_frac_5x / spike_frac_3x (= spike_fraction with factor 5 / 3), max_to_median and log_residual_std
+    use the trailing median over `spike_window` (default min_history).
 
     A statistic that is undefined for a series (e.g. logs of a series with non-positive values, too few
     points) is reported as nan, so every series has the same keys.
@@ -263,5 +390,10 @@ def oscillation_summary(
             "spike_ratio": _safe(spike_ratio, kept, 0, q),
             "mean_abs_delta": _safe(mean_abs_delta, kept),
             "spikes": float(count_spikes(kept, spike_k, spike_window)),
+            "spike_frac_5x": _safe(spike_fraction, kept, 5.0, spike_window),
+            "spike_frac_3x": _safe(spike_fraction, kept, 3.0, spike_window),
+            "max_to_median": _safe(max_to_median, kept, spike_window),
+            "log_residual_std": _safe(log_residual_std, kept, spike_window),
+            "detrended_cv": _safe(detrended_cv, kept, window),
         }
     return out
