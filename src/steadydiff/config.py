@@ -238,12 +238,27 @@ class DiagnosticsConfig:
     probe_size: int = 32  # probe batch size
     probe_seed: int = 1234  # the probe batch is drawn from this seed, independent of training
     tensorboard: bool = False  # also write scalars to RUN_DIR/tb (needs the tensorboard package)
+    # Validation loss (val/...): the base-weighted loss of the raw and EMA model on a fixed set of examples
+    # (held-out split where the dataset has one), stratified over val_bins equal bins of the noise level.
+    val_every: int = 0  # steps between validation evaluations
+    val_size: int = 1024  # examples in the fixed validation set (RUN_DIR/val.safetensors)
+    val_bins: int = 8  # strata of the normalised noise level s in (0, 1): example j is in bin j % val_bins
+    val_seed: int = 4321  # the validation set is drawn from this seed, independent of training
+    val_batch: int = 256  # examples per forward pass of the evaluation
 
     def check(self) -> None:
-        for key in ("grad_every", "probe_every", "update_every", "magnitude_every"):
+        for key in ("grad_every", "probe_every", "update_every", "magnitude_every", "val_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"diagnostics.{key}: must be >= 0 (0 disables), got {getattr(self, key)}")
         _positive("diagnostics", probe_size=self.probe_size)
+        if self.val_bins < 1:
+            raise ConfigError(f"diagnostics.val_bins: must be >= 1, got {self.val_bins}")
+        if self.val_size < self.val_bins:
+            raise ConfigError(f"diagnostics.val_size: must be >= diagnostics.val_bins ({self.val_bins}) so that "
+                              f"every noise-level bin has an example, got {self.val_size}; raise val_size or "
+                              "lower val_bins")
+        if self.val_batch < 1:
+            raise ConfigError(f"diagnostics.val_batch: must be >= 1, got {self.val_batch}")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Instruments for the stability claims: monitors, oscillation statistics, sensitivity, theory, landscape."""
+"""Instruments for the stability claims: monitors (validation loss among them), oscillation statistics, sensitivity,
+theory, landscape."""
 
 from .landscape import consistency_score, interpolate_loss, top_hessian_eigenvalue
 from .monitors import GradNormMonitor, MagnitudeMonitor, Monitor, ProbeBatch, ProbeMonitor, UpdateRatioMonitor
@@ -14,11 +15,12 @@ from .stats import (
     spike_ratio,
 )
 from .theory import decoder_blocks, decoder_feature_norms, skip_energy, theory_fit
+from .validation import ValidationMonitor, ValidationSet
 
 __all__ = [
     "GradNormMonitor", "MagnitudeMonitor", "Monitor", "ProbeBatch", "ProbeMonitor", "UpdateRatioMonitor",
-    "coefficient_of_variation", "consistency_score", "count_spikes", "decoder_blocks", "decoder_feature_norms",
-    "detrended_std", "interpolate_loss", "jacobian_spectral_norm", "mean_abs_delta", "median_abs_log_delta",
-    "moving_average", "oscillation_summary", "perturbation_ratio", "sensitivity_vs_t", "skip_energy",
-    "spike_ratio", "theory_fit", "top_hessian_eigenvalue",
+    "ValidationMonitor", "ValidationSet", "coefficient_of_variation", "consistency_score", "count_spikes",
+    "decoder_blocks", "decoder_feature_norms", "detrended_std", "interpolate_loss", "jacobian_spectral_norm",
+    "mean_abs_delta", "median_abs_log_delta", "moving_average", "oscillation_summary", "perturbation_ratio",
+    "sensitivity_vs_t", "skip_energy", "spike_ratio", "theory_fit", "top_hessian_eigenvalue",
 ]

@@ -13,6 +13,8 @@ eval mode without gradients, so training results are unchanged with or without t
   RMS = norm / sqrt(numel per sample)), and the skip coefficients (LS: mean gate per skip on the probe).
 - `MagnitudeMonitor` (EDM2 Fig. 3 style): RMS of each block's output on the probe batch and RMS of each
   block's weights.
+- `ValidationMonitor` (`validation.py`): the base-weighted loss of the raw and EMA model on a fixed,
+  noise-level-stratified validation set (held out where the dataset has a second split), `val/...`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ..utils.io import atomic_write
+from .base import Monitor  # re-exported: the trainer and subclasses import it from here
 from .theory import decoder_blocks
+from .validation import ValidationMonitor, ValidationSet
 
 
 def block_groups(model: nn.Module) -> OrderedDict[str, list[nn.Parameter]]:
@@ -51,26 +55,6 @@ def _norm(tensors: list[Tensor]) -> float:
     if not tensors:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors])))
-
-
-class Monitor:
-    """Base: `every` = 0 disables; `before_step` runs only on due steps."""
-
-    def __init__(self, every: int):
-        self.every = every
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
-
-    def after_backward(self, trainer, step: int) -> dict[str, float]:
-        """After backward, before gradient clipping."""
-        return {}
-
-    def before_step(self, trainer, step: int) -> None:  # noqa: B027 - optional hook
-        """After clipping, right before the optimiser step."""
-
-    def after_step(self, trainer, step: int) -> dict[str, float]:
-        return {}
 
 
 class GradNormMonitor(Monitor):
@@ -235,11 +219,16 @@ class MagnitudeMonitor(Monitor):
 
 
 def build_monitors(d, trainer, run_dir: Path) -> list[Monitor]:
-    """The monitors a DiagnosticsConfig `d` turns on (interval 0 = off); the probe batch is stored in
-    `run_dir/probe.safetensors` so that a resumed run probes the same examples."""
+    """The monitors a DiagnosticsConfig `d` turns on (interval 0 = off); the probe batch and the validation
+    set are stored in `run_dir/probe.safetensors` and `run_dir/val.safetensors` so that a resumed run
+    measures the same examples."""
     monitors: list[Monitor] = [GradNormMonitor(d.grad_every), UpdateRatioMonitor(d.update_every)]
     if d.probe_every or d.magnitude_every:
         probe = ProbeBatch.load_or_create(run_dir / "probe.safetensors", trainer, d.probe_size,
                                           d.probe_seed).to(trainer.device)
         monitors += [ProbeMonitor(d.probe_every, probe), MagnitudeMonitor(d.magnitude_every, probe)]
+    if d.val_every:
+        val = ValidationSet.load_or_create(run_dir / "val.safetensors", trainer, d.val_size, d.val_bins,
+                                           d.val_seed).to(trainer.device)
+        monitors.append(ValidationMonitor(d.val_every, val, d.val_batch))
     return [m for m in monitors if m.every > 0]

@@ -135,6 +135,14 @@ class EDMFormulation:
     def loss_weight(self, sigma: Tensor) -> Tensor:
         return (sigma**2 + self.sigma_data**2) / (sigma * self.sigma_data) ** 2
 
+    def _denoising_error(self, model: EDMPrecond, x0: Tensor, labels: Tensor | None, t: Tensor,
+                         noise: Tensor) -> tuple[Tensor, Tensor]:
+        """(sigma(t), mean over elements of (D(x0 + sigma noise; sigma) - x0)^2), both (B,) float32."""
+        sigma = self.sigma(t).to(x0.device)
+        shape = (-1,) + (1,) * (x0.ndim - 1)
+        denoised = model(x0 + sigma.view(shape).to(x0.dtype) * noise, sigma, labels)
+        return sigma, (denoised.float() - x0.float()).pow(2).flatten(1).mean(1)
+
     def loss(self, model: EDMPrecond, x0: Tensor, labels: Tensor | None = None, *, t: Tensor | None = None,
              noise: Tensor | None = None, generator=None) -> Tensor:
         """Per-sample loss (B,): mean over elements of lambda/e^u (D - x0)^2 + u (EDM2 Eq. 21)."""
@@ -142,12 +150,22 @@ class EDMFormulation:
             t = self.sample_t(x0.shape[0], generator, x0.device)
         if noise is None:
             noise = draw_normal(x0.shape, generator, x0.device, x0.dtype)
-        sigma = self.sigma(t).to(x0.device)
-        shape = (-1,) + (1,) * (x0.ndim - 1)
-        denoised = model(x0 + sigma.view(shape).to(x0.dtype) * noise, sigma, labels)
-        err = (denoised.float() - x0.float()).pow(2).flatten(1).mean(1)
+        sigma, err = self._denoising_error(model, x0, labels, t, noise)
         u = model.log_variance(sigma)
         return self.loss_weight(sigma) / u.exp() * err + u
+
+    def base_loss(self, model: EDMPrecond, x0: Tensor, labels: Tensor | None, t: Tensor, noise: Tensor) -> Tensor:
+        """Per-sample loss under the base weighting (B,), at given s = t and noise: EDM2 Eq. 21 with u = 0,
+
+            L_base(sigma) = lambda(sigma) mean((D(x0 + sigma n; sigma) - x0)^2),
+            lambda(sigma) = (sigma^2 + sd^2) / (sigma sd)^2,
+
+        i.e. EDM's own weighting (EDM Eq. 8 / Table 1), which is 1 at init for every sigma. The learned
+        log-variance u(sigma) is ignored (it rescales each level by its own current loss, so it is no fixed
+        yardstick), as are any timestep-sampler weights (CLTS). This is what a validation loss measures.
+        """
+        sigma, err = self._denoising_error(model, x0, labels, t, noise)
+        return self.loss_weight(sigma) * err
 
     # -- sampling ------------------------------------------------------------------------------------
     def sigma_grid(self, steps: int, device=None) -> Tensor:

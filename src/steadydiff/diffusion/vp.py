@@ -181,6 +181,14 @@ class VPSDE:
         err = (eps_hat - noise).to(torch.promote_types(eps_hat.dtype, torch.float32))
         return err.square().reshape(x0.shape[0], -1).mean(dim=1)
 
+    def base_loss(self, model: Model, x0: Tensor, labels: Tensor | None, t: Tensor, noise: Tensor) -> Tensor:
+        """Per-sample loss under the formulation's base weighting, shape (B,), at given t and noise.
+
+        For VP this is exactly `loss`: mean over the non-batch dims of (eps_hat(alpha x0 + sigma noise, t) -
+        noise)^2. It is what a validation loss measures: no timestep-sampler weights (CLTS) enter it.
+        """
+        return self.loss(model, x0, labels, t=t, noise=noise)
+
     def prior(
         self,
         shape: tuple[int, ...] | torch.Size,
