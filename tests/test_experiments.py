@@ -1,5 +1,6 @@
-"""Experiments: steps-to-target, speed-ups and bootstrap CIs on synthetic curves with known answers, spec
-validation, and a tiny arms x seeds experiment on toy2d end to end through `steadydiff compare`."""
+"""Experiments: steps-to-target and time-shift speed-ups on synthetic curves with known answers, claims judged on
+paired seeds, spec validation, pre-registration, and a tiny arms x seeds experiment on toy2d end to end through
+`steadydiff compare`."""
 
 import json
 import math
@@ -11,15 +12,9 @@ import yaml
 from steadydiff.cli import main
 from steadydiff.config import ConfigError
 from steadydiff.experiments import load_experiment
-from steadydiff.experiments.speedup import (
-    baseline_targets,
-    fill_diverged,
-    percentile_ci,
-    ratio_of_means_ci,
-    speedup_ci,
-    steps_to_target,
-    verdict,
-)
+from steadydiff.experiments.analysis import judge
+from steadydiff.experiments.spec import Claim
+from steadydiff.experiments.speedup import BEFORE, BEYOND, fill_diverged, steps_to_target, time_shift
 
 GRID = np.arange(100, 1001, 100)  # evaluations every 100 steps up to a budget of 1000
 
@@ -51,85 +46,86 @@ def test_fill_diverged_makes_the_tail_worst_and_keeps_it_worst():
     assert (fill_diverged([0.2], 3, lower_is_better=False)[1:] == -np.inf).all()
 
 
-def test_targets_are_the_final_value_and_the_value_at_half_the_budget():
-    t = baseline_targets(GRID, np.linspace(10, 1, len(GRID)))
-    assert t["final"] == 1.0
-    assert t["half"] == pytest.approx(np.linspace(10, 1, len(GRID))[4])  # step 500 of 1000
-
-
 # ------------------------------------------------------------------------------------------------------
 # speed-ups
 
 
+def _shift_claim(base: np.ndarray, arm: np.ndarray, target: str = "half", threshold: float = 1.0) -> dict:
+    """Judge a speed-up claim on per-seed curves the way `analyse` does."""
+    fracs = {"half": 0.5, "three_quarters": 0.75, "final": 1.0}
+    shifts = [time_shift(GRID, b, a, fracs[target]) for b, a in zip(base, arm)]
+    rep = {"baseline": "base", "lower_is_better": True, "grid": list(GRID), "arms": {
+        "base": {}, "arm": {"time_shift": {target: {**time_shift(GRID, base.mean(0), arm.mean(0), fracs[target]),
+                                                     "per_seed": [x["forward"] for x in shifts],
+                                                     "per_seed_flags": [x["forward_flag"] for x in shifts]}}}}}
+    return judge(Claim("faster", "arm", "speedup", target=target, threshold=threshold), rep)
+
+
 def test_twice_as_fast_arm_gives_speedup_two():
-    # Noise-free: the baseline reaches its final value exp(-1) at step 1000, the arm (rate x2) at step 500.
+    # Noise-free: at half the budget (500) the arm (rate x2) is at exp(-1), which the baseline reaches at 1000.
     base = np.stack([exp_curve(1e-3)] * 3)
     arm = np.stack([exp_curve(2e-3)] * 3)
-    s = speedup_ci(GRID, base, arm, "final", n_boot=200)
-    assert s.base_steps == 1000 and s.arm_steps == pytest.approx(500)
-    assert s.speedup == pytest.approx(2.0)
-    assert s.ci_low == pytest.approx(2.0) and s.ci_high == pytest.approx(2.0)  # identical seeds: no spread
-    # Half target exp(-0.5): the arm crosses it between its evaluations at 200 and 300, where the straight
-    # line through exp(-0.4) and exp(-0.6) puts the crossing slightly after the true 250.
-    half = speedup_ci(GRID, base, arm, "half", n_boot=50)
+    c = _shift_claim(base, arm, "half")
+    assert c["value"] == pytest.approx(2.0) and c["per_seed"] == pytest.approx([2.0] * 3)
+    assert c["verdict"] == "holds" and c["agree"] == "3/3"
+    # At the full budget the arm is at exp(-2): the baseline does not get there within one more interval,
+    # so the speed-up is a lower bound, flagged.
+    res = time_shift(GRID, base[0], arm[0], 1.0)
+    assert res["forward_flag"] == BEYOND and res["forward"] == pytest.approx(1.1)
+    # Reverse: the arm reaches the baseline's exp(-0.5) (its value at 500) between its evaluations at 200 and
+    # 300, where the straight line through exp(-0.4) and exp(-0.6) puts the crossing slightly after 250.
     e = np.exp
     crossing = 200 + 100 * (e(-0.4) - e(-0.5)) / (e(-0.4) - e(-0.6))
-    assert half.base_steps == 500 and half.arm_steps == pytest.approx(crossing)
-    assert half.speedup == pytest.approx(500 / crossing) and 1.97 < half.speedup < 2.0
+    assert time_shift(GRID, base[0], arm[0], 0.5)["reverse"] == pytest.approx(500 / crossing)
 
 
-def test_noisy_seeds_give_a_ci_that_covers_the_truth_and_excludes_one():
+def test_noisy_seeds_give_an_interval_that_covers_the_truth_and_excludes_one():
     base = np.stack([exp_curve(1e-3, 0.03, seed=s) for s in range(5)])
     arm = np.stack([exp_curve(2e-3, 0.03, seed=10 + s) for s in range(5)])
-    s = speedup_ci(GRID, base, arm, "final", n_boot=1000, seed=1)
-    assert s.ci_low < 2.0 < s.ci_high or s.ci_low == pytest.approx(2.0, rel=0.05)
-    assert s.ci_low > 1.0  # a 2x effect with 3% evaluation noise is never confused with no effect
-    assert verdict(s.ci_low, s.ci_high, 1.0) == "holds"
+    c = _shift_claim(base, arm, "half")
+    assert c["ci_low"] < 2.0 < c["ci_high"] and c["ci_low"] > 1.0
+    assert c["verdict"] == "holds" and "paired t" in c["interval"] and "n=5" in c["interval"]
 
 
-def test_an_arm_that_never_reaches_the_target_has_speedup_zero():
+def test_a_much_slower_arm_gets_a_small_speedup_not_zero():
     base = np.stack([exp_curve(1e-3)] * 3)
-    arm = np.stack([exp_curve(1e-4)] * 3)  # ten times slower: ends far above exp(-1)
-    s = speedup_ci(GRID, base, arm, "final", n_boot=100)
-    assert s.arm_steps == math.inf and s.speedup == 0.0
-    assert (s.ci_low, s.ci_high) == (0.0, 0.0)
-    assert verdict(s.ci_low, s.ci_high, 1.0) == "does not hold"
+    arm = np.stack([exp_curve(1e-4)] * 3)  # ten times slower: at 1000 it is where the baseline was at 100
+    c = _shift_claim(base, arm, "final")
+    assert c["value"] == pytest.approx(0.1) and c["verdict"] == "does not hold"
 
 
 def test_a_diverged_seed_is_counted_not_dropped():
     base = np.stack([exp_curve(1e-3)] * 3)
     good = exp_curve(2e-3)
-    diverged = fill_diverged(good[:3], len(GRID))  # NaN after the 3rd evaluation
+    diverged = fill_diverged(good[:3], len(GRID))  # worst after the 3rd evaluation
     arm = np.stack([good, good, diverged])
-    s = speedup_ci(GRID, base, arm, "final", n_boot=500, seed=3)
-    # The seed-mean curve is infinite from step 400 on, so the arm as a whole never gets there ...
-    assert s.speedup == 0.0
-    # ... but resamples without the diverged seed do, at 2x: the CI spans both outcomes.
-    assert s.ci_low == 0.0 and s.ci_high == pytest.approx(2.0)
-    assert verdict(s.ci_low, s.ci_high, 1.0) == "inconclusive"
+    c = _shift_claim(base, arm, "half")
+    # The diverged seed is as bad as the baseline's first evaluation or worse: a speed-up bounded above by
+    # 100 / 500, counted in the analysis (it makes the seeds disagree).
+    assert c["n"] == 3 and c["per_seed"][2] == pytest.approx(0.2)
+    assert time_shift(GRID, base[2], diverged, 0.5)["forward_flag"] == BEFORE
+    assert c["agree"] == "2/3" and c["verdict"] == "inconclusive"
 
 
 def test_the_baseline_against_itself_is_exactly_one():
-    base = np.stack([exp_curve(1e-3, 0.05, seed=s) for s in range(4)])
-    s = speedup_ci(GRID, base, base, "final", n_boot=200, paired=True)
-    assert s.speedup == 1.0 and s.ci_low == 1.0 and s.ci_high == 1.0
+    base = np.stack([exp_curve(1e-3, 0.05, seed=s) for s in range(4)])  # noisy, non-monotone curves
+    for target in ("half", "three_quarters", "final"):
+        c = _shift_claim(base, base, target)
+        assert c["per_seed"] == pytest.approx([1.0] * 4, abs=1e-12) and c["verdict"] == "inconclusive"
 
 
-def test_percentile_ci_and_ratio_of_means():
-    lo, hi = percentile_ci([0.0, 1.0, 2.0, math.inf] * 25)
-    assert lo == 0.0 and hi == math.inf  # no interpolation, so infinities do not turn into nan
-    p, lo, hi = ratio_of_means_ci([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], n_boot=100)
-    assert (p, lo, hi) == (0.5, 0.5, 0.5)
-    p, lo, hi = ratio_of_means_ci([1.0, 2.0, 3.0], [2.0, 4.0, 6.0], n_boot=500)
-    assert p == pytest.approx(2.0) and lo < 2.0 < hi
+def test_monotone_fit_pools_violators_and_keeps_improving_curves():
+    from steadydiff.experiments.speedup import monotone_fit
 
-
-@pytest.mark.parametrize("low,high,higher,expected", [
-    (1.2, 1.8, True, "holds"), (0.5, 0.9, True, "does not hold"), (0.8, 1.3, True, "inconclusive"),
-    (0.5, 0.9, False, "holds"), (1.1, 1.4, False, "does not hold"), (math.nan, 2.0, True, "inconclusive"),
-])
-def test_verdict(low, high, higher, expected):
-    assert verdict(low, high, 1.0, higher_is_better=higher) == expected
+    steps = np.array([100.0, 200, 300, 400, 500])
+    clean = np.array([5.0, 4, 3, 2, 1])
+    assert monotone_fit(steps, clean) == pytest.approx(clean)  # already monotone: unchanged
+    noisy = np.array([5.0, 3, 4, 2, 1])  # 3, 4 violate: pooled to 3.5 centred at 250
+    fit = monotone_fit(steps, noisy)
+    assert fit[0] == 5 and fit[3:] == pytest.approx([2, 1]) and fit[1] > fit[2]  # strictly decreasing again
+    assert np.interp(250, steps, fit) == pytest.approx(3.5)
+    assert monotone_fit(steps, -noisy, lower_is_better=False) == pytest.approx(-fit)
+    assert monotone_fit(steps, [1.0, 2.0, np.inf, np.inf, np.inf])[2] == np.inf  # diverged: left as it is
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -192,17 +188,18 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     for name in ("report.md", "metric.png", "stability.png"):
         assert (out / name).stat().st_size > 0
     assert res["grid"] == [20, 40, 60, 80]
-    # The baseline is the reference; its final target is its own seed-mean final value.
+    # The baseline against itself: a time shift of exactly 1 on every seed.
     org = res["arms"]["org"]
-    assert org["speedup"]["final"]["speedup"] == 1.0
-    assert res["targets"]["final"] == pytest.approx(np.mean(org["final_per_seed"]))
+    assert org["time_shift"]["final"]["forward"] == 1.0 and org["time_shift"]["final"]["per_seed"] == [1.0, 1.0]
     # The diverged arm is reported, not dropped: both seeds diverged at step 50, its curve is worst after.
     broken = res["arms"]["broken"]
     assert broken["diverged"] == [0, 1] and set(broken["diverged_at"].values()) == {50}
-    assert broken["speedup"]["final"]["speedup"] == 0.0
+    assert broken["time_shift"]["final"]["per_seed_flags"] == [BEFORE, BEFORE]  # worse than anything org logged
     assert "seed 0 at step 50" in (out / "report.md").read_text()
     # Every claim gets a verdict with its numbers; stability and sensitivity were measured per seed.
     assert [c["verdict"] in ("holds", "does not hold", "inconclusive") for c in res["claims"]] == [True] * 3
+    assert all(c["registration"] == "pre-registered" and len(c["per_seed"]) == 2 for c in res["claims"])
+    assert "95% paired t-interval on log-ratios, n=2" in (out / "report.md").read_text()
     assert len(res["arms"]["cs"]["stability"]["grad/total"]["cv"]["per_seed"]) == 2
     assert all(float(v) > 0 for v in res["arms"]["cs"]["sensitivity"]["mean_per_seed"])
     # Resumable: finished runs are kept as they are.
@@ -219,6 +216,30 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     regen = f"steadydiff compare {path} --out {out} --report-only"
     assert f"- Report regenerated from the finished runs by: `{regen}`" in md
     assert json.loads((out / "results.json").read_text())["command"] == ran
+    # Pre-registration is the tool's: change one claim and add another after the runs exist.
+    spec = yaml.safe_load(path.read_text())
+    spec["claims"][0]["threshold"] = 0.9
+    spec["claims"].append({"name": "cs is better at the end", "arm": "cs", "kind": "final"})
+    spec["calibrate"] = {"repeats": 3, "n": 100, "reference_n": 300}
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["compare", str(path), "--out", str(out), "--report-only", "--calibrate"]) == 0
+    status = {c["name"]: c["registration"] for c in json.loads((out / "results.json").read_text())["claims"]}
+    assert status["cs is faster"].startswith("post hoc (changed after the first run")
+    assert status["cs is better at the end"].startswith("post hoc (added after the first run")
+    assert status["cs oscillates less"] == status["cs is less sensitive"] == "pre-registered"
+    md = (out / "report.md").read_text()
+    assert "post hoc (changed" in md and "post hoc (added" in md
+    # Calibration: the metric re-measured with 3 sampling seeds at the final checkpoint, and a reference.
+    cal = json.loads((out / "calibration.json").read_text())
+    assert len(cal["runs"][0]["values"]) == 3 and cal["runs"][0]["sd"] > 0 and cal["mdr_noise"] > 1
+    assert "## Metric noise (calibration)" in md
+    # Without the runs (another machine), --report-only re-judges the stored results.json.
+    (out / "runs").rename(tmp_path / "runs-elsewhere")
+    before = json.loads((out / "results.json").read_text())["claims"]
+    assert main(["compare", str(path), "--out", str(out), "--report-only"]) == 0
+    assert "re-judged the claims from the stored results.json" in capsys.readouterr().out
+    after = json.loads((out / "results.json").read_text())["claims"]
+    assert [c["per_seed"] for c in after] == [c["per_seed"] for c in before]
 
 
 def test_report_only_without_runs_is_a_clear_error(tmp_path, capsys):
@@ -250,46 +271,106 @@ def test_parallel_workers_train_the_same_runs(tmp_path):
     assert losses(tmp_path / "serial", 0) != losses(tmp_path / "serial", 1)  # seeds do differ
 
 
-def test_claims_against_another_arm_and_in_either_direction():
-    from steadydiff.experiments.analysis import judge
-    from steadydiff.experiments.spec import Claim
+def _rep(arms: dict) -> dict:
+    return {"arms": arms, "baseline": "base", "lower_is_better": True, "grid": []}
 
+
+def test_claims_against_another_arm_and_in_either_direction():
     arms = {name: {"sensitivity": {"mean_per_seed": vals}} for name, vals in
             {"base": [1.0, 1.1, 0.9], "deep": [2.0, 2.2, 1.8], "deep_cs": [1.0, 1.05, 0.95]}.items()}
-    grows = judge(Claim("grows", "deep", "sensitivity", direction="more"), arms, "base", 1.0, 500)
+    grows = judge(Claim("grows", "deep", "sensitivity", direction="more"), _rep(arms))
     assert grows["value"] == pytest.approx(2.0) and grows["verdict"] == "holds"
-    assert judge(Claim("shrinks", "deep", "sensitivity"), arms, "base", 1.0, 500)["verdict"] == "does not hold"
-    vs = judge(Claim("cs helps", "deep_cs", "sensitivity", versus="deep"), arms, "base", 1.0, 500)
-    assert vs["versus"] == "deep" and vs["value"] == pytest.approx(0.5) and vs["verdict"] == "holds"
+    assert judge(Claim("shrinks", "deep", "sensitivity"), _rep(arms))["verdict"] == "does not hold"
+    vs = judge(Claim("cs helps", "deep_cs", "sensitivity", versus="deep"), _rep(arms))
+    geo = np.exp(np.mean(np.log([1.0 / 2.0, 1.05 / 2.2, 0.95 / 1.8])))  # the geometric mean of per-seed ratios
+    assert vs["versus"] == "deep" and vs["value"] == pytest.approx(geo) and vs["verdict"] == "holds"
 
 
 def test_paired_seeds_cancel_the_spread_both_arms_share():
     # Seeds differ a lot (x0.7 .. x1.4 on the whole curve), but in every seed the arm is 2x faster.
     scale = np.array([0.7, 1.0, 1.4, 0.85, 1.2])[:, None]
-    base = scale * exp_curve(1e-3)
-    arm = scale * exp_curve(2e-3)
-    paired = speedup_ci(GRID, base, arm, "final", n_boot=500, paired=True)
-    unpaired = speedup_ci(GRID, base, arm, "final", n_boot=500)
-    assert paired.speedup == pytest.approx(2.0)
-    assert paired.ci_low == pytest.approx(2.0) and paired.ci_high == pytest.approx(2.0)
-    assert unpaired.ci_high - unpaired.ci_low > 0.5  # the shared spread shows up when arms are resampled apart
-    p, lo, hi = ratio_of_means_ci([1.0, 2.0, 3.0], [0.9, 1.8, 2.7], n_boot=300, paired=True)
-    assert (p, lo, hi) == pytest.approx((0.9, 0.9, 0.9))
+    c = _shift_claim(scale * exp_curve(1e-3), scale * exp_curve(2e-3), "half")
+    assert c["per_seed"] == pytest.approx([2.0] * 5) and c["ci_low"] == pytest.approx(2.0)
+    assert c["ci_high"] == pytest.approx(2.0) and c["verdict"] == "holds"
 
 
 def test_final_claim_versus_another_arm_compares_with_that_arm():
     """`versus` on a final claim uses the named arm's finals, not the baseline's (paired, lower is better)."""
-    from steadydiff.experiments.analysis import judge
-    from steadydiff.experiments.spec import Claim
-
-    arms = {"base": {"final_per_seed": [10.0, 12.0, 14.0], "final_ratio": {"ratio": 1.0, "ci_low": 1.0,
-                                                                          "ci_high": 1.0}},
-            "a": {"final_per_seed": [5.0, 6.0, 7.0], "final_ratio": {"ratio": 0.5, "ci_low": 0.5, "ci_high": 0.5}},
+    arms = {"base": {"final_per_seed": [10.0, 12.0, 14.0]}, "a": {"final_per_seed": [5.0, 6.0, 7.0]},
             "b": {"final_per_seed": [4.0, 4.8, 5.6]}}
-    vs_base = judge(Claim(name="a better", arm="a", kind="final"), arms, "base", 1.0, 500)
-    assert vs_base["versus"] == "base" and vs_base["value"] == 0.5 and vs_base["verdict"] == "holds"
-    vs_b = judge(Claim(name="a better than b", arm="a", kind="final", versus="b"), arms, "base", 1.0, 500)
-    # a / b = 1.25 on every seed, so every paired resample gives 1.25 too: a is worse than b.
-    assert vs_b["versus"] == "b"
-    assert vs_b["value"] == pytest.approx(1.25) and vs_b["ci_low"] == pytest.approx(1.25)
-    assert vs_b["ci_high"] == pytest.approx(1.25) and vs_b["verdict"] == "does not hold"
+    vs_base = judge(Claim(name="a better", arm="a", kind="final"), _rep(arms))
+    assert vs_base["versus"] == "base" and vs_base["value"] == pytest.approx(0.5) and vs_base["verdict"] == "holds"
+    vs_b = judge(Claim(name="a better than b", arm="a", kind="final", versus="b"), _rep(arms))
+    # a / b = 1.25 on every seed: a is worse than b, with no spread at all.
+    assert vs_b["versus"] == "b" and vs_b["per_seed"] == pytest.approx([1.25] * 3)
+    assert vs_b["value"] == pytest.approx(1.25) and vs_b["verdict"] == "does not hold"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Time-shift speed-ups on curves with closed-form answers
+
+
+def test_time_shift_on_linear_curves_is_exact():
+    from steadydiff.experiments.speedup import BEYOND, EXTRAPOLATED, bound_of, time_shift
+
+    steps = np.arange(50, 1001, 50, dtype=float)
+    base = 10 - steps / 100  # loss falls 1 per 100 steps
+    arm = 10 - 1.5 * steps / 100  # the same curve, 1.5x faster in time
+    for f in (0.5, 0.6):
+        res = time_shift(steps, base, arm, f)
+        assert res["forward"] == pytest.approx(1.5) and res["forward_flag"] == ""
+        assert res["reverse"] == pytest.approx(1.5) and res["reverse_flag"] == ""
+    # At 75% the baseline needs 1125 steps: 125 past its budget, more than one interval (50): a lower bound.
+    res = time_shift(steps, base, arm, 0.75)
+    assert res["forward_flag"] == BEYOND and res["forward"] == pytest.approx(1050 / 750)
+    assert bound_of(res["forward_flag"], forward=True) == ">="
+    assert res["reverse"] == pytest.approx(1.5)
+    # Within one interval the extrapolation is used and flagged.
+    res = time_shift(steps, base, 10 - 1.04 * steps / 100, 1.0)
+    assert res["forward_flag"] == EXTRAPOLATED and res["forward"] == pytest.approx(1.04)
+
+
+def test_time_shift_of_an_arm_slightly_behind_is_slightly_below_one():
+    from steadydiff.experiments.speedup import time_shift
+
+    steps = np.arange(50, 401, 50, dtype=float)
+    base = 100 * np.exp(-steps / 200) + 50  # still improving at the end
+    lag = 12.0
+    arm = 100 * np.exp(-(steps - lag) / 200) + 50  # the same curve, 12 steps late
+    res = time_shift(steps, base, arm, 1.0)
+    assert 0.95 < res["forward"] < 1.0  # ~ (400 - 12) / 400 = 0.97, up to linear interpolation
+    assert res["forward"] == pytest.approx((400 - lag) / 400, abs=0.005)
+    assert 0.95 < res["reverse"] < 1.0
+
+
+def test_regime_table_and_horizons_tied_to_the_budget():
+    from steadydiff.config import load_config
+    from steadydiff.experiments.regime import lr_sum, regime, tied_horizons
+
+    cfg = load_config(None, ["data.name=toy2d", "model.backbone=mlp_unet", "model.depth=6", "train.lr=1e-3",
+                             "train.warmup_steps=10", "train.steps=100"])
+    # Linear warm-up over 10 steps, then constant: 1e-3 x (sum_{k<10} (k + 1) / 10 + 90) = 0.0955.
+    assert lr_sum(cfg) == pytest.approx(1e-3 * (5.5 + 90))
+    r = regime(cfg, (2,))
+    assert r["long_skips"] == 3 and r["batch"] == cfg.train.batch_size and r["clipping"] == "max norm 1.0"
+    assert tied_horizons(cfg) == []
+    clts = load_config(None, ["data.name=toy2d", "model.backbone=mlp_unet", "train.timesteps=clts",
+                              "train.momentum=mdlrc", "train.lr_schedule=cosine"])
+    assert len(tied_horizons(clts)) == 3
+    fixed = load_config(None, ["data.name=toy2d", "model.backbone=mlp_unet", "train.timesteps=clts",
+                               "train.clts_steps=800", "train.momentum=mdlrc", "train.momentum_steps=800"])
+    assert tied_horizons(fixed) == []
+
+
+def test_preregistration_record_and_status(tmp_path):
+    from steadydiff.experiments.prereg import claim_status, record
+
+    exp = load_experiment(_write_experiment(tmp_path))
+    assert set(claim_status(exp, tmp_path).values()) == {"not recorded"}  # runs that predate the record
+    assert record(exp, tmp_path) and not record(exp, tmp_path)  # written once, never overwritten
+    assert set(claim_status(exp, tmp_path).values()) == {"pre-registered"}
+    changed = load_experiment(_write_experiment(tmp_path, seeds=[0, 1, 2]))
+    assert all(v.startswith("post hoc (arms, seeds") for v in claim_status(changed, tmp_path).values())
+    declared = load_experiment(_write_experiment(tmp_path, claims=[
+        {"name": "cs is faster", "arm": "cs", "kind": "speedup", "post_hoc": True}]))
+    assert claim_status(declared, tmp_path) == {"cs is faster": "post hoc (declared in the experiment file)"}

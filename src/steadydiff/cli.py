@@ -212,7 +212,16 @@ def _cmd_phema(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     import shlex
 
-    from .experiments import analyse, load_experiment, plot_experiment, run_experiment, write_markdown
+    from .experiments import (
+        analyse,
+        load_experiment,
+        plot_experiment,
+        record,
+        rerender,
+        run_calibration,
+        run_experiment,
+        write_markdown,
+    )
     from .utils.io import atomic_write_text
 
     exp = load_experiment(args.experiment, args.set)
@@ -224,15 +233,23 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if not args.report_only:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(ran_by, command + "\n")
+        if record(exp, out):  # before anything trains: later claim changes are marked post hoc
+            print(f"recorded the design and {len(exp.claims)} claims in {out}/preregistration.json")
         run_experiment(exp, out, args.set, workers=args.workers, show_progress=not args.quiet)
     elif ran_by.is_file():
         command, report_command = ran_by.read_text().strip(), command
-    rep = analyse(exp, out, command=command, report_command=report_command)
+    if args.report_only and not (out / "runs").is_dir():
+        rep = rerender(exp, out, report_command=report_command or command)
+        print("re-judged the claims from the stored results.json (the runs are not here)")
+    else:
+        if args.calibrate:
+            run_calibration(exp, out)
+        rep = analyse(exp, out, command=command, report_command=report_command)
+        plot_experiment(exp, rep, out)
     write_markdown(rep, out)
-    plot_experiment(exp, rep, out)
     for c in rep["claims"]:
-        print(f"{c['verdict']:>14}: {c['name']}")
-    print(f"wrote {out}/results.json, report.md, metric.png, stability.png")
+        print(f"{c['verdict']:>14}: {c['name']} ({c['registration']})")
+    print(f"wrote {out}/results.json and report.md")
     return 0
 
 
@@ -342,13 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
     ph.add_argument("--out", required=True, help="directory for one sampleable run directory per sigma_rel")
     ph.set_defaults(func=_cmd_phema)
 
-    cm = sub.add_parser("compare", help="run an experiment (arms x seeds) and report speed-ups with 95%% CIs")
+    cm = sub.add_parser("compare", help="run an experiment (arms x seeds) and judge its claims on paired seeds")
     cm.add_argument("experiment", help="experiment YAML, e.g. experiments/scalelong-unet.yaml")
     cm.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
     cm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key in every run, e.g. --set train.steps=20000 on a GPU")
     cm.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's)")
-    cm.add_argument("--report-only", action="store_true", help="only analyse the finished runs")
+    cm.add_argument("--report-only", action="store_true",
+                    help="only analyse the finished runs (or, when they are gone, re-judge OUT/results.json)")
+    cm.add_argument("--calibrate", action="store_true",
+                    help="measure the metric's noise on the finished runs first (the experiment's calibrate: block)")
     cm.add_argument("--quiet", action="store_true")
     cm.set_defaults(func=_cmd_compare)
     return p

@@ -1,12 +1,16 @@
-"""Experiments: arms x seeds, speed-ups with confidence intervals, stability, verdicts (`steadydiff compare`)."""
+"""Experiments: arms x seeds, paired statistics honest at small n, verdicts, pre-registration, calibration
+and reports (`steadydiff compare`)."""
 
-from .analysis import ExperimentError, analyse
+from .analysis import ExperimentError, analyse, judge_claims, rerender
+from .calibrate import run_calibration
+from .prereg import claim_status, record
 from .report import plot_experiment, write_markdown
 from .runner import run_dir, run_experiment
 from .spec import Claim, Experiment, load_experiment
-from .speedup import fill_diverged, speedup_ci, steps_to_target, verdict
+from .speedup import fill_diverged, steps_to_target, time_shift
 
 __all__ = [
-    "Claim", "Experiment", "ExperimentError", "analyse", "fill_diverged", "load_experiment", "plot_experiment",
-    "run_dir", "run_experiment", "speedup_ci", "steps_to_target", "verdict", "write_markdown",
+    "Claim", "Experiment", "ExperimentError", "analyse", "claim_status", "fill_diverged", "judge_claims",
+    "load_experiment", "plot_experiment", "record", "rerender", "run_calibration", "run_dir", "run_experiment",
+    "steps_to_target", "time_shift", "write_markdown",
 ]

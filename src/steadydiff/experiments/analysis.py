@@ -13,12 +13,17 @@ from typing import Any
 import numpy as np
 
 from ..diagnostics.stats import oscillation_summary
+from ..runs import saved_sample_shape
 from ..runs.metrics_log import read_metrics, series
 from ..utils.errors import SteadydiffError
 from ..utils.io import atomic_write_text
+from .calibrate import read_calibration
+from .inference import judge_ratios
+from .prereg import NOT_RECORDED, claim_status
+from .regime import regime, tied_horizons
 from .runner import read_result, run_dir
-from .spec import Experiment
-from .speedup import baseline_targets, fill_diverged, mean_curve, ratio_of_means_ci, speedup_ci, verdict
+from .spec import TARGETS, Experiment
+from .speedup import BEFORE, BEYOND, fill_diverged, mean_curve, time_shift
 
 
 class ExperimentError(SteadydiffError):
@@ -124,18 +129,33 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
         return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
+def _per_seed_ratios(base: list[float], arm: list[float]) -> list[float]:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return [float(a / b) if b != 0 else math.nan for a, b in zip(arm, base)]
+
+
+def _time_shifts(grid: list[int], base: np.ndarray, arm: np.ndarray, lower: bool) -> dict[str, Any]:
+    """Time-shift speed-ups at each target fraction: on the seed-mean curves, and per paired seed."""
+    out = {}
+    for name, frac in TARGETS.items():
+        mean = time_shift(grid, mean_curve(base), mean_curve(arm), frac, lower)
+        seeds = [time_shift(grid, b, a, frac, lower) for b, a in zip(base, arm)]
+        out[name] = {**mean, "per_seed": [s["forward"] for s in seeds],
+                     "per_seed_flags": [s["forward_flag"] for s in seeds]}
+    return out
+
+
 def analyse(exp: Experiment, out: Path, command: str = "", report_command: str = "") -> dict[str, Any]:
-    """Everything report.md and the plots show, as one JSON-able dict (also written to results.json)."""
+    """Everything report.md and the plots show, as one JSON-able dict (also written to results.json): per
+    arm the per-seed curves, time-shift speed-ups, finals, stability and sensitivity; the regime, the tied
+    horizons, the claims' registration status, any calibration, and every claim's judgement."""
     out = Path(out)
     grid, curves, results = metric_curves(exp, out)
     base = exp.baseline
-    base_mean = mean_curve(curves[base])
-    targets = baseline_targets(grid, base_mean)
-    better = 1.0 if exp.lower_is_better else -1.0
     arms: dict[str, Any] = {}
     stab = stability_stats(exp, out)
     sens = sensitivity_stats(exp, out) if exp.sensitivity else None
-    for i, arm in enumerate(exp.arms):
+    for arm in exp.arms:
         c = curves[arm]
         finals = [float(v) for v in c[:, -1]]
         entry: dict[str, Any] = {
@@ -147,14 +167,11 @@ def analyse(exp: Experiment, out: Path, command: str = "", report_command: str =
             "curve_mean": [float(v) for v in mean_curve(c)],
             "curve_min": [float(v) for v in c.min(axis=0)],
             "curve_max": [float(v) for v in c.max(axis=0)],
+            "curves_per_seed": [[float(v) for v in row] for row in c],
             "wall_s": float(sum(r.get("wall_s", 0.0) for r in results[arm])),
-            "speedup": {},
+            "time_shift": _time_shifts(grid, curves[base], c, exp.lower_is_better),
+            "horizons_tied": tied_horizons(exp.run_config(arm, exp.seeds[0])),
         }
-        for name in targets:
-            entry["speedup"][name] = speedup_ci(grid, curves[base], c, name, exp.lower_is_better,
-                                                n_boot=exp.bootstrap, seed=i, paired=True).to_dict()
-        fp, flo, fhi = ratio_of_means_ci(curves[base][:, -1], c[:, -1], exp.bootstrap, seed=i, paired=True)
-        entry["final_ratio"] = {"ratio": fp, "ci_low": flo, "ci_high": fhi}
         entry["stability"] = {}
         for key in exp.stability:
             per_seed = [stab[arm][s].get(key) for s in exp.seeds]
@@ -174,57 +191,112 @@ def analyse(exp: Experiment, out: Path, command: str = "", report_command: str =
                                   for s in exp.seeds],
             }
         arms[arm] = entry
-    verdicts = [judge(claim, arms, base, better, exp.bootstrap) for claim in exp.claims]
+    shape = saved_sample_shape(run_dir(out, base, exp.seeds[0]))
     report = {
         "experiment": exp.name, "description": exp.description, "source": str(exp.source),
         "command": command, "report_command": report_command, "metric": exp.metric,
         "lower_is_better": exp.lower_is_better,
-        "baseline": base, "seeds": exp.seeds, "grid": grid, "targets": targets, "arms": arms,
-        "claims": verdicts, "machine": machine_info(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "baseline": base, "seeds": exp.seeds, "grid": grid, "arms": arms,
+        "regime": regime(exp.run_config(base, exp.seeds[0]), shape) if shape else {}, "paper": exp.paper,
+        "registration": claim_status(exp, out), "calibration": read_calibration(out),
+        "machine": machine_info(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s_total": float(sum(a["wall_s"] for a in arms.values())),
     }
+    report["claims"] = judge_claims(exp, report)
     atomic_write_text(out / "results.json", json.dumps(_json_safe(report), indent=1) + "\n")
     return report
 
 
-def judge(claim, arms: dict[str, Any], base: str, better: float, n_boot: int) -> dict[str, Any]:
-    """One claim's number, CI and verdict (see `spec` for what each kind compares)."""
+def rerender(exp: Experiment, out: Path, report_command: str = "") -> dict[str, Any]:
+    """Judge `exp`'s claims again from OUT/results.json when the runs themselves are gone (they do not survive
+    a change of machine): the stored per-seed values are re-analysed with the current statistics; what an
+    older results.json did not store (per-seed curves) is said in the claims' notes."""
+    from ..data import load_dataset
+
+    path = Path(out) / "results.json"
+    if not path.is_file():
+        raise ExperimentError(f"the runs have not finished (there is no {Path(out) / 'runs'}) and there is no {path} "
+                              "to re-judge; run `steadydiff compare` without --report-only to train them")
+    rep = json.loads(path.read_text())
+    cfg = exp.run_config(exp.baseline, exp.seeds[0])
+    rep.update(description=exp.description, paper=exp.paper, registration=claim_status(exp, out),
+               calibration=read_calibration(out), report_command=report_command,
+               regime=regime(cfg, load_dataset(cfg.data).sample_shape),
+               rerendered=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    for arm, entry in rep["arms"].items():
+        entry.setdefault("horizons_tied", tied_horizons(exp.run_config(arm, exp.seeds[0])))
+    rep["claims"] = judge_claims(exp, rep)
+    atomic_write_text(path, json.dumps(_json_safe(rep), indent=1) + "\n")
+    return rep
+
+
+def judge_claims(exp: Experiment, rep: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every claim judged from `rep` alone (an `analyse` result, or an older results.json), so that reports
+    can be re-rendered from stored results."""
+    return [judge(c, rep, exp.bootstrap) for c in exp.claims]
+
+
+def _float(v: Any) -> float:
+    return float(v) if v is not None else math.nan
+
+
+def judge(claim, rep: dict[str, Any], n_boot: int = 2000) -> dict[str, Any]:
+    """One claim's per-seed paired ratios, estimate, interval, tests and verdict (`inference.judge_ratios`),
+    plus its registration status and, when the runs are outside the paper's regime, that verdict for the
+    paper's claim: "not tested in regime"."""
+    arms, base = rep["arms"], rep["baseline"]
     versus = claim.versus or base
     a, b = arms[claim.arm], arms[versus]
-    lower = claim.direction == "less"
     out: dict[str, Any] = {"name": claim.name, "arm": claim.arm, "versus": versus, "kind": claim.kind,
-                           "threshold": claim.threshold, "direction": claim.direction}
+                           "threshold": claim.threshold, "direction": claim.direction, "target": claim.target,
+                           "series": claim.series, "stat": claim.stat,
+                           "registration": rep.get("registration", {}).get(claim.name, NOT_RECORDED)}
+    ratios, note, more = None, "", True
     if claim.kind == "speedup":
-        s = a["speedup"][claim.target]
-        out.update(value=s["speedup"], ci_low=s["ci_low"], ci_high=s["ci_high"], target=claim.target,
-                   verdict=verdict(s["ci_low"], s["ci_high"], claim.threshold, higher_is_better=True))
+        ts = a.get("time_shift", {}).get(claim.target)
+        if ts is None:  # a results.json from before time shifts: the seed-mean curves are all there is
+            grid = rep["grid"]
+            ts = time_shift(grid, [_float(v) for v in b["curve_mean"]], [_float(v) for v in a["curve_mean"]],
+                            TARGETS[claim.target], rep["lower_is_better"])
+            note = "per-seed curves were not stored with these runs: seed-mean estimate only, no interval"
+        else:
+            ratios = ts["per_seed"]
+            censored = sum(f in (BEYOND, BEFORE) for f in ts["per_seed_flags"])
+            if censored:
+                note = f"{censored} per-seed crossings were outside the budget + one interval and enter at their bound"
+        out["mean_curve"] = {k: ts[k] for k in ("forward", "forward_flag", "reverse", "reverse_flag")}
+        point = ts["forward"]
     elif claim.kind == "final":
-        if versus == base:  # the ratio the arm table shows
-            r = a["final_ratio"]
-            p, lo, hi = r["ratio"], r["ci_low"], r["ci_high"]
-        else:
-            p, lo, hi = ratio_of_means_ci(b["final_per_seed"], a["final_per_seed"], n_boot, paired=True)
-        out.update(value=p, ci_low=lo, ci_high=hi,
-                   verdict=verdict(lo, hi, claim.threshold, higher_is_better=better < 0))
+        ratios = _per_seed_ratios(b["final_per_seed"], a["final_per_seed"])
+        more = not rep["lower_is_better"]
     elif claim.kind == "stability":
-        if claim.series not in a["stability"] or claim.series not in b["stability"]:
-            out.update(value=math.nan, ci_low=math.nan, ci_high=math.nan, verdict="inconclusive",
-                       note=f"{claim.series} was not logged")
+        sa, sb = a["stability"].get(claim.series, {}), b["stability"].get(claim.series, {})
+        if claim.stat in sa and claim.stat in sb:
+            ratios = _per_seed_ratios(sb[claim.stat]["per_seed"], sa[claim.stat]["per_seed"])
         else:
-            p, lo, hi = ratio_of_means_ci(b["stability"][claim.series][claim.stat]["per_seed"],
-                                          a["stability"][claim.series][claim.stat]["per_seed"], n_boot, paired=True)
-            out.update(value=p, ci_low=lo, ci_high=hi, series=claim.series, stat=claim.stat,
-                       verdict=verdict(lo, hi, claim.threshold, higher_is_better=not lower))
+            note = f"{claim.stat} of {claim.series} was not logged or not computed for these runs"
+        more = claim.direction == "more"
     elif claim.kind == "sensitivity":
-        if "sensitivity" not in a:
-            out.update(value=math.nan, ci_low=math.nan, ci_high=math.nan, verdict="inconclusive",
-                       note="set sensitivity: true in the experiment")
+        if "sensitivity" in a and "sensitivity" in b:
+            ratios = _per_seed_ratios(b["sensitivity"]["mean_per_seed"], a["sensitivity"]["mean_per_seed"])
         else:
-            p, lo, hi = ratio_of_means_ci(b["sensitivity"]["mean_per_seed"], a["sensitivity"]["mean_per_seed"],
-                                          n_boot, paired=True)
-            out.update(value=p, ci_low=lo, ci_high=hi,
-                       verdict=verdict(lo, hi, claim.threshold, higher_is_better=not lower))
+            note = "set sensitivity: true in the experiment"
+        more = claim.direction == "more"
+    if ratios is None:
+        res = {"value": point if claim.kind == "speedup" else math.nan, "ci_low": math.nan, "ci_high": math.nan,
+               "verdict": "inconclusive", "interval": "none", "per_seed": [], "agree": "n/a", "n": 0, "p": {},
+               "method": "none", "mdr": math.inf}
+    else:
+        res = judge_ratios(ratios, claim.threshold, more, claim.test, n_boot=n_boot)
+    out.update(res)
+    out["claim"] = "more" if more else "less"
+    out["note"] = note
+    paper = rep.get("paper") or {}
+    out["paper_verdict"] = ("not tested in regime" if paper.get("in_regime") is False else
+                            out["verdict"] if paper else "no paper regime stated")
+    cal = (rep.get("calibration") or {}).get("mdr_noise")
+    if cal is not None and math.isfinite(cal):
+        out["mdr_noise"] = cal
     return out
 
 

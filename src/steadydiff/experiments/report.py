@@ -13,6 +13,7 @@ from ..runs.metrics_log import read_metrics, series
 from ..utils.io import atomic_write, atomic_write_text
 from .runner import run_dir
 from .spec import Experiment
+from .speedup import bound_of
 
 
 def _f(v: Any, digits: int = 3) -> str:
@@ -32,10 +33,109 @@ def _f(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def _speed(v: float) -> str:
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    return "0 (never)" if v == 0 else f"{_f(v)}x"
+def _interval(c: dict[str, Any]) -> str:
+    if c.get("n", 0) < 2 or not math.isfinite(_num(c.get("ci_low"))):
+        return "no interval"
+    return f"{_f(c['ci_low'])}-{_f(c['ci_high'])}"
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _what(c: dict[str, Any], rep: dict[str, Any]) -> str:
+    vs = c.get("versus", rep["baseline"])
+    return {"speedup": f"time-shift speed-up at {c.get('target', 'final')} budget vs {vs}",
+            "final": f"final metric ratio vs {vs}",
+            "stability": f"{c.get('stat', '')} of {c.get('series', '')}, ratio vs {vs}",
+            "sensitivity": f"mean R(t), ratio vs {vs}"}[c["kind"]]
+
+
+def _claim_lines(rep: dict[str, Any]) -> list[str]:
+    lines = ["", "## Verdicts", "",
+             "Each claim compares per-seed paired ratios (arm / baseline on the same seed). Estimate: geometric mean "
+             "ratio with a 95% paired t-interval on the log-ratios (method and n named in each row). A claim "
+             "**holds** when its pre-registered test rejects 'ratio = threshold' at alpha 0.05 on the claimed side, "
+             "**does not hold** when it rejects on the other side, and is **inconclusive** otherwise; an "
+             "inconclusive row gives the smallest ratio the design detects (80% power). 'k/n seeds agree' counts "
+             "the seeds on the claimed side: with 3 seeds it is all the data can say (no exact test can reject at "
+             "n = 3).", "",
+             "| claim | quantity | estimate (95% interval) | interval method | per-seed ratios | seeds agree | "
+             "test, p | claimed | verdict here | paper's claim | registration |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for c in rep["claims"]:
+        claimed = f"{'>' if c.get('claim') == 'more' else '<'} {_f(c['threshold'])}"
+        per_seed = ", ".join(_f(v) for v in c.get("per_seed", [])) or "-"
+        test = c.get("test", "t")
+        p = c.get("p", {}).get(test)
+        verdict = c["verdict"]
+        if verdict == "inconclusive" and math.isfinite(_num(c.get("mdr"))):
+            verdict += f" (detects >= {_f(c['mdr'])}x)"
+        est = _f(c.get("value"))
+        mc = c.get("mean_curve")
+        if mc and mc.get("forward_flag"):
+            est = f"{bound_of(mc['forward_flag'], True)}{est} ({mc['forward_flag']})"
+        lines.append(f"| {c['name']} | {_what(c, rep)} | {est} ({_interval(c)}) | {c.get('interval', c.get('method'))}"
+                     f" | {per_seed} | {c.get('agree', 'n/a')} | {test} p={_f(p)} | {claimed} | **{verdict}** | "
+                     f"{c.get('paper_verdict', '')} | {c.get('registration', '')} |")
+        if c.get("note"):
+            notes.append(f"- {c['name']}: {c['note']}.")
+        if c.get("bootstrap"):
+            b = c["bootstrap"]
+            notes.append(f"- {c['name']}: {b['method']}: {_f(b['ci_low'])}-{_f(b['ci_high'])}.")
+        mdr, thr = _num(c.get("mdr")), _num(c.get("threshold"))
+        if c["verdict"] == "inconclusive" and math.isfinite(mdr) and thr != 1 and abs(math.log(thr)) < math.log(mdr):
+            notes.append(f"- {c['name']}: the claimed effect ({_f(thr)}) is smaller than this design can resolve "
+                         f"(ratios beyond {_f(mdr)} or below {_f(1 / mdr)}); more seeds or a less noisy metric are "
+                         "needed to decide it.")
+    return lines + ([""] + notes if notes else [])
+
+
+def _regime_lines(rep: dict[str, Any]) -> list[str]:
+    from .regime import REGIME_ROWS
+
+    ours, paper = rep.get("regime") or {}, rep.get("paper") or {}
+    if not ours and not paper:
+        return []
+    lines = ["", "## Regime", "",
+             f"The baseline's setting beside the paper's ({paper.get('source', 'no paper regime stated')}).", "",
+             "| | this experiment | paper |", "|---|---|---|"]
+    for key, label in REGIME_ROWS.items():
+        if key in ours or key in paper:
+            lines.append(f"| {label} | {_f(ours.get(key), 4)} | {paper.get(key, '-')} |")
+    if paper.get("in_regime") is False:
+        lines += ["", "**These runs are outside the regime the paper describes.** The verdicts say what happens "
+                  "at this scale; for the paper's claims the verdict is *not tested in regime*."]
+    if paper.get("note"):
+        lines += ["", str(paper["note"]).strip()]
+    tied = {arm: a.get("horizons_tied") for arm, a in rep["arms"].items() if a.get("horizons_tied")}
+    if tied and any(c["kind"] == "speedup" for c in rep["claims"]):
+        lines += ["", "**Horizons tied to the budget.** These arms' schedules end at train.steps, so 'steps to reach "
+                  "X' is not what a shorter run would need: " + "; ".join(f"{arm}: {', '.join(h)}"
+                                                                         for arm, h in tied.items()) + "."]
+    return lines
+
+
+def _calibration_lines(rep: dict[str, Any]) -> list[str]:
+    cal = rep.get("calibration") or {}
+    if not cal:
+        return ["", "## Metric noise", "", "Not measured for this experiment (`steadydiff compare ... --calibrate`)."]
+    lines = ["", "## Metric noise (calibration)", "",
+             f"`{cal['metric']}` re-measured {cal['repeats']} times independently at the final checkpoint "
+             "(sampling seeds for sample metrics, validation sets for validation losses), against one large-n "
+             "reference.", "", "| run | n | values | mean +- sd | reference (n) | bias |", "|---|---|---|---|---|---|"]
+    for r in cal["runs"]:
+        lines.append(f"| {r['arm']}/seed-{r['seed']} (step {r['step']}) | {r['n']} | "
+                     f"{', '.join(_f(v, 4) for v in r['values'])} | {_f(r['mean'], 4)} +- {_f(r['sd'], 2)} | "
+                     f"{_f(r['reference'], 4)} ({r['reference_n']}) | {_f(r['bias'], 3)} |")
+    lines += ["", f"Coefficient of variation {_f(cal['cv'])}: with {cal['seeds']} paired seeds, metric noise alone "
+              f"limits resolvable final-metric ratios to beyond {_f(cal['mdr_noise'])} (80% power, alpha 0.05); the "
+              "per-claim figures above include the seed-to-seed spread as well."]
+    return lines
 
 
 def write_markdown(rep: dict[str, Any], out: Path) -> str:
@@ -51,40 +151,46 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         f"python {m['python']}",
         f"- Date: {rep['date']}; training wall time, all runs: {rep['wall_s_total'] / 60:.1f} min",
         f"- Metric: `{rep['metric']}` ({'lower' if rep['lower_is_better'] else 'higher'} is better), evaluated at "
-        f"steps {rep['grid'][0]}..{rep['grid'][-1]} ({len(rep['grid'])} points); seeds {rep['seeds']}",
-        f"- Targets fixed in advance from the baseline `{rep['baseline']}` (mean over seeds): final "
-        f"{_f(rep['targets']['final'], 4)}, half-budget {_f(rep['targets']['half'], 4)}",
-        "", "## Speed-up and final quality", "",
-        "Steps to reach each target on the seed-mean curve (linear interpolation between evaluations), speed-up "
-        "= baseline steps / arm steps, and a 95% CI from resampling seeds (paired: the same seeds in both arms). "
-        "An arm whose mean curve never reaches a target within the budget has speed-up 0 ('never'). "
-        f"With {len(rep['seeds'])} seeds a resample can take only a few distinct values, so the CIs are coarse. "
-        "Final: mean +- sd over seeds.", "",
-        "| arm | steps to final target | speed-up (95% CI) | steps to half target | speed-up (95% CI) | "
-        "final metric | diverged |",
-        "|---|---|---|---|---|---|---|",
+        f"steps {rep['grid'][0]}..{rep['grid'][-1]} ({len(rep['grid'])} points); seeds {rep['seeds']} "
+        f"(n = {len(rep['seeds'])}, paired)",
     ]
+    lines += _regime_lines(rep) + _claim_lines(rep)
+    lines += ["", "## Speed-up as a time shift, and final quality", "",
+              "On the seed-mean curves: forward = the step at which the baseline reaches the arm's value at 50% / "
+              "75% / 100% of the budget, over that step (an arm slightly behind scores slightly below 1); reverse = "
+              "that step over the step at which the arm reaches the baseline's value. Crossings are interpolated "
+              "between evaluations, extrapolated at most one evaluation interval past the end (flagged), and "
+              "otherwise reported as bounds (>=, <=). Final: mean +- sd over seeds, then the per-seed values.", "",
+              "| arm | forward 50% | forward 75% | forward 100% | reverse 100% | final metric | per seed | "
+              "diverged |", "|---|---|---|---|---|---|---|---|"]
     for name, a in rep["arms"].items():
-        sf, sh = a["speedup"]["final"], a["speedup"]["half"]
-        div = ", ".join(f"seed {s} at step {a['diverged_at'][s]}" for s in a["diverged"]) or "0"
-        cells = [f"{_f(s['arm_steps'], 4)} | {_speed(s['speedup'])} ({_f(s['ci_low'])}, {_f(s['ci_high'])})"
-                 for s in (sf, sh)]
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {_f(a['final_mean'], 4)} +- {_f(a['final_sd'], 2)} | "
-                     f"{div} |")
+        ts = a.get("time_shift", {})
+        cells = []
+        for t in ("half", "three_quarters", "final"):
+            x = ts.get(t)
+            cells.append("-" if x is None else f"{bound_of(x['forward_flag'], True)}{_f(x['forward'])}x"
+                         + (" (extrap.)" if x["forward_flag"] == "extrapolated" else ""))
+        x = ts.get("final")
+        cells.append("-" if x is None else f"{bound_of(x['reverse_flag'], False)}{_f(x['reverse'])}x")
+        at = {str(k): v for k, v in a["diverged_at"].items()}  # keys are strings once read back from JSON
+        div = ", ".join(f"seed {s} at step {at[str(s)]}" for s in a["diverged"]) or "0"
+        lines.append(f"| {name} | {' | '.join(cells)} | {_f(a['final_mean'], 4)} +- {_f(a['final_sd'], 2)} | "
+                     f"{', '.join(_f(v, 4) for v in a['final_per_seed'])} | {div} |")
     stab_keys = sorted({k for a in rep["arms"].values() for k in a["stability"]})
     if stab_keys:
-        lines += ["", "## Stability (oscillation after warm-up; mean over seeds)", "",
-                  "`mald` = median |delta log| between consecutive logged values (scale-free oscillation), `cv` = "
-                  "std/mean, `spikes` = points above 3x the running median.", "",
-                  "| arm | " + " | ".join(f"{k} mald | {k} cv | {k} spikes" for k in stab_keys) + " |",
-                  "|---|" + "---|" * (3 * len(stab_keys))]
+        stats = [("median_abs_log_delta", "mald"), ("detrended_cv", "dcv"), ("spike_frac_3x", "spk3"),
+                 ("spike_frac_5x", "spk5"), ("max_to_median", "max/med")]
+        lines += ["", "## Stability (after warm-up; mean over seeds)", "",
+                  "`mald` = median |delta log| between consecutive values; `dcv` = detrended coefficient of variation "
+                  "(std around a centred moving average / its mean: a pure trend scores 0); `spk3`, `spk5` = fraction "
+                  "of points above 3x / 5x the trailing running median; `max/med` = the largest such ratio.", "",
+                  "| arm | series | " + " | ".join(lbl for _, lbl in stats) + " |", "|---|---|" + "---|" * len(stats)]
         for name, a in rep["arms"].items():
-            cells = []
             for k in stab_keys:
                 s = a["stability"].get(k)
-                cells += ([_f(s["median_abs_log_delta"]["mean"]), _f(s["cv"]["mean"]), _f(s["spikes"]["mean"])]
-                          if s else ["-", "-", "-"])
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+                if s:
+                    lines.append(f"| {name} | {k} | " + " | ".join(_f(s[st]["mean"]) if st in s else "-"
+                                                                  for st, _ in stats) + " |")
     if any("sensitivity" in a for a in rep["arms"].values()):
         ts = list(next(a for a in rep["arms"].values() if "sensitivity" in a)["sensitivity"]["per_t"])
         lines += ["", "## Input sensitivity of the final EMA model", "",
@@ -93,25 +199,7 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         for name, a in rep["arms"].items():
             if "sensitivity" in a:
                 lines.append(f"| {name} | " + " | ".join(_f(a["sensitivity"]["per_t"].get(t)) for t in ts) + " |")
-    if rep["claims"]:
-        lines += ["", "## Verdicts", "",
-                  "A claim holds when the whole 95% CI is on its side of the threshold, does not hold when the whole "
-                  "CI is on the other side, and is inconclusive when the CI straddles it.", "",
-                  "| claim | arm | quantity | value (95% CI) | claimed | verdict |", "|---|---|---|---|---|---|"]
-        for c in rep["claims"]:
-            vs = c.get("versus", rep["baseline"])
-            what = {"speedup": f"speed-up to {c.get('target', 'final')} target",
-                    "final": f"final metric ratio vs {vs}",
-                    "stability": f"{c.get('stat', '')} of {c.get('series', '')}, ratio vs {vs}",
-                    "sensitivity": f"mean R(t), ratio vs {vs}"}[c["kind"]]
-            if c["kind"] == "speedup":
-                claimed = f"> {_f(c['threshold'])}"
-            elif c["kind"] == "final":
-                claimed = f"{'<' if rep['lower_is_better'] else '>'} {_f(c['threshold'])}"
-            else:
-                claimed = f"{'<' if c.get('direction', 'less') == 'less' else '>'} {_f(c['threshold'])}"
-            lines.append(f"| {c['name']} | {c['arm']} | {what} | {_f(c['value'])} ({_f(c['ci_low'])}, "
-                         f"{_f(c['ci_high'])}) | {claimed} | **{c['verdict']}** |")
+    lines += _calibration_lines(rep)
     lines += ["", "## Plots", "", "![metric vs steps](metric.png)", "", "![stability](stability.png)", ""]
     text = "\n".join(ln for ln in lines if ln is not None) + "\n"
     atomic_write_text(out / "report.md", text)
@@ -135,24 +223,20 @@ def plot_experiment(exp: Experiment, rep: dict[str, Any], out: Path) -> None:
         (line,) = axes[0].plot(np.array(grid)[finite], mean[finite], lw=1.5, label=name)
         ok = np.isfinite(lo) & np.isfinite(hi)
         axes[0].fill_between(np.array(grid)[ok], lo[ok], hi[ok], alpha=0.15, color=line.get_color())
-    for tname, tv in rep["targets"].items():
-        axes[0].axhline(float(tv), ls="--", lw=0.8, color="gray")
-        axes[0].text(grid[0], float(tv), f" {tname} target", va="bottom", fontsize=7, color="gray")
     axes[0].set_xlabel("step")
     axes[0].set_ylabel(rep["metric"])
     axes[0].set_title("metric vs steps (mean over seeds, band = min..max)")
     axes[0].legend(fontsize=7)
     axes[0].grid(alpha=0.3)
     names = list(rep["arms"])
-    sf = [rep["arms"][n]["speedup"]["final"] for n in names]
-    pts = [min(float(s["speedup"]), 10.0) for s in sf]
-    lo = [min(float(s["ci_low"]), 10.0) if not math.isnan(float(s["ci_low"])) else 0 for s in sf]
-    hi = [min(float(s["ci_high"]), 10.0) if not math.isnan(float(s["ci_high"])) else 0 for s in sf]
+    shifts = [rep["arms"][n].get("time_shift", {}).get("final") for n in names]
+    pts = [min(_num(s["forward"]), 10.0) if s else 0.0 for s in shifts]
     axes[1].bar(names, pts, color="tab:blue", alpha=0.6)
-    axes[1].errorbar(names, pts, yerr=[np.maximum(np.subtract(pts, lo), 0), np.maximum(np.subtract(hi, pts), 0)],
-                     fmt="none", ecolor="black", capsize=3)
+    for i, shift in enumerate(shifts):  # the per-seed values over the bar
+        seeds = (shift or {}).get("per_seed", [])
+        axes[1].scatter([i] * len(seeds), [min(_num(v), 10.0) for v in seeds], color="black", s=8, zorder=3)
     axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].set_title("speed-up to the baseline's final quality (95% CI, capped at 10)")
+    axes[1].set_title("time-shift speed-up at the full budget (bar: seed-mean curves, dots: seeds; capped at 10)")
     axes[1].tick_params(axis="x", rotation=30, labelsize=7)
     fig.tight_layout()
     atomic_write(out / "metric.png", lambda p: fig.savefig(p, format="png"))

@@ -14,14 +14,23 @@
     claims:
       - {name: "CS is faster", arm: cs-0.5, kind: speedup, target: final, threshold: 1.0}
 
-Claim kinds (each judged by `speedup.verdict` on a 95% seed-bootstrap CI):
-    speedup      baseline steps / arm steps to `target` (final | half); holds if the CI is above `threshold`
-    final        arm / baseline ratio of the final metric; holds if the CI is on the better side of `threshold`
-    stability    arm / baseline ratio of `stat` of `series`; holds if the CI is below `threshold` (less oscillation)
-    sensitivity  arm / baseline ratio of the mean input sensitivity R(t); holds if the CI is below `threshold`
+Claim kinds, each a per-seed paired ratio judged by `inference.judge_ratios` (a paired t-interval on
+log-ratios, and the claim's pre-registered `test`: t | wilcoxon | sign, at alpha 0.05):
+    speedup      time-shift speed-up at `target` (half | three_quarters | final: 50 / 75 / 100% of the budget):
+                 the step at which the baseline reaches the arm's value there, over that step; holds if above
+                 `threshold`
+    final        arm / baseline ratio of the final metric; holds if on the better side of `threshold`
+    stability    arm / baseline ratio of `stat` of `series`; holds if below `threshold` (less oscillation)
+    sensitivity  arm / baseline ratio of the mean input sensitivity R(t); holds if below `threshold`
 
 `versus: ARM` compares final / stability / sensitivity with another arm instead of the baseline, and
-`direction: more` claims a ratio above the threshold (e.g. "sensitivity grows with depth").
+`direction: more` claims a ratio above the threshold (e.g. "sensitivity grows with depth"). `post_hoc: true`
+marks a claim chosen after seeing data; the tool also marks, by itself, every claim added or changed after
+the experiment's first run (`prereg.py`).
+
+Optional blocks: `paper:` states the paper's regime beside ours (keys of `regime.REGIME_ROWS`, plus `source`,
+`in_regime: false` when the runs are outside it, and `note`); `calibrate:` sets how `compare --calibrate`
+measures the metric's noise (`repeats`, `n`, `reference_n`, `arms`, `seeds`).
 """
 
 from __future__ import annotations
@@ -34,9 +43,12 @@ import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, read_yaml
 from ..diffusion import check_sampler
+from .inference import TESTS
 
 CLAIM_KINDS = ("speedup", "final", "stability", "sensitivity")
-STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes")
+STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes",
+         "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv")
+TARGETS = {"half": 0.5, "three_quarters": 0.75, "final": 1.0}  # speed-up targets: fractions of the budget
 
 
 @dataclass
@@ -50,6 +62,8 @@ class Claim:
     stat: str = "median_abs_log_delta"  # stability
     versus: str | None = None  # final / stability / sensitivity: compare with this arm instead of the baseline
     direction: str = "less"  # stability / sensitivity: the claim is that the ratio is less (or more) than threshold
+    test: str = "t"  # the pre-registered test: t (paired t on log-ratios) | wilcoxon | sign
+    post_hoc: bool = False  # chosen after seeing data (the author's marking; the tool adds its own)
 
 
 @dataclass
@@ -70,6 +84,8 @@ class Experiment:
     claims: list[Claim] = field(default_factory=list)
     description: str = ""
     source: Path | None = None
+    paper: dict[str, Any] = field(default_factory=dict)  # the paper's regime, shown beside ours
+    calibrate: dict[str, Any] = field(default_factory=dict)  # how `compare --calibrate` measures metric noise
 
     def overrides(self, arm: str, seed: int, extra: list[str] | None = None) -> list[str]:
         """`--set` strings for one run: experiment-wide, then the arm's, then the seed, then the command line."""
@@ -83,7 +99,8 @@ class Experiment:
 
 
 _KEYS = {"name", "base", "set", "baseline", "arms", "seeds", "metric", "stability", "stability_warmup",
-         "sensitivity", "workers", "bootstrap", "claims", "description"}
+         "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate"}
+_CALIBRATE_KEYS = {"repeats", "n", "reference_n", "arms", "seeds"}
 
 
 def _mapping(value: Any, key: str) -> dict[str, Any]:
@@ -150,14 +167,21 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
                               "always against the baseline")
         if claim.direction not in ("less", "more"):
             raise ConfigError(f"experiment claims[{i}]: direction {claim.direction!r}; choose less or more")
-        if claim.target not in ("final", "half"):
-            raise ConfigError(f"experiment claims[{i}]: target {claim.target!r}; choose final or half")
+        if claim.target not in TARGETS:
+            raise ConfigError(f"experiment claims[{i}]: target {claim.target!r}; choose one of {', '.join(TARGETS)}")
+        if claim.test not in TESTS:
+            raise ConfigError(f"experiment claims[{i}]: test {claim.test!r}; choose one of {', '.join(TESTS)}")
         if claim.stat not in STATS:
             raise ConfigError(f"experiment claims[{i}]: stat {claim.stat!r}; choose one of {', '.join(STATS)}")
         claims.append(claim)
     stability = raw.get("stability", ["loss", "grad/total"])
     if not isinstance(stability, list):
         raise ConfigError("experiment stability: expected a list of metrics.jsonl keys like [loss, grad/total]")
+    paper = _mapping(raw.get("paper"), "paper")
+    calibrate = _mapping(raw.get("calibrate"), "calibrate")
+    if set(calibrate) - _CALIBRATE_KEYS:
+        raise ConfigError(f"experiment calibrate: unknown key {sorted(set(calibrate) - _CALIBRATE_KEYS)[0]}; valid: "
+                          f"{', '.join(sorted(_CALIBRATE_KEYS))}")
     workers = raw.get("workers", 1)
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError("experiment workers: expected an integer >= 1")
@@ -167,7 +191,7 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
         set=_mapping(raw.get("set"), "set"), stability=[str(s) for s in stability],
         stability_warmup=raw.get("stability_warmup"), sensitivity=bool(raw.get("sensitivity", False)),
         workers=workers, bootstrap=int(raw.get("bootstrap", 2000)), claims=claims,
-        description=str(raw.get("description", "")), source=path,
+        description=str(raw.get("description", "")), source=path, paper=paper, calibrate=calibrate,
     )
     for arm in arms:  # fail now, not after hours of training the other arms
         try:

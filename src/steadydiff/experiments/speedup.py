@@ -1,34 +1,28 @@
-"""Steps-to-target, speed-ups and bootstrap confidence intervals across seeds.
+"""Speed-ups as time shifts between metric curves.
 
-The question an experiment answers: how many training steps does an arm need to reach a quality target,
-relative to the baseline? Definitions (all pure functions of the logged curves, tested on synthetic ones):
+The question an experiment answers: how much sooner (in training steps) does an arm get where the baseline
+gets? Definitions (pure functions of the logged curves, tested on curves with closed-form answers):
 
 * A run's curve is its metric at the evaluation steps. Runs of one arm share the evaluation grid; a run that
   diverged (stopped with a non-finite loss) is *worst* from its last good evaluation on (+inf when lower is
-  better), so it drags its arm's curve down and is never dropped.
-* An arm's curve is the mean over its seeds at each grid step (the mean of the metric, not of steps-to-target:
-  a per-seed target crossing is dominated by evaluation noise at the small seed counts we can afford).
-* Targets are fixed in advance from the baseline's mean curve: its value at the final step and at the grid
-  step nearest half the budget. (The baseline reaches its final target at the last step at the latest.)
-* Steps to target: the first step at which the curve is at least as good as the target, linearly
-  interpolated between the two evaluations that bracket the crossing; `inf` if it never gets there.
-* Speed-up = baseline steps / arm steps. Its 95% CI: resample seeds with replacement, independently per arm,
-  recompute both mean curves, the target *by the same rule* from the resampled baseline, and both crossings;
-  percentile interval. Re-deriving the target matters: a target frozen at the observed baseline's final
-  value would be missed by half of all baseline resamples (they end just above it), which says nothing
-  about the arm. A resample in which the arm never reaches the target contributes a speed-up of 0;
-  percentiles are taken without interpolation so such values stay meaningful.
-* Paired seeds: in an experiment every arm runs the same seeds, and seed s fixes the data order, the noise
-  levels and the noise of every step (and most of the initial weights) in every arm. Arms are then compared
-  seed by seed: the bootstrap draws one set of seed indices and uses it for both arms (`paired=True`), so
-  the seed-to-seed spread that both arms share cancels, as in a paired t-test.
+  better), so it drags its arm down and is never dropped.
+* Time-shift speed-up at a fraction f of the budget S (`time_shift`): the arm's value at step f S is reached
+  by the baseline at step b, and the speed-up is b / (f S). It degrades gracefully: an arm 2% behind at the
+  end scores a little below 1, where a "steps to the baseline's final value" reads "never". The reverse
+  shift (the arm's step to reach the baseline's value at f S) is reported beside it.
+* Crossings (`reach_step`) are the first step at which a curve is at least as good as the value, linearly
+  interpolated between the two evaluations that bracket it; past the last evaluation the last segment is
+  followed for at most one evaluation interval (flagged "extrapolated"); further out, or before the first
+  evaluation, the speed-up is reported as a bound.
+* Per-seed speed-ups come from the paired curves of one seed (seed s fixes the data order, noise levels and
+  noise in every arm); `inference.judge_ratios` turns them into an estimate, an interval and a verdict. The
+  seed-mean curves give the point shown in plots and tables.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -67,116 +61,106 @@ def steps_to_target(steps: Sequence[float], values: Sequence[float], target: flo
     return float(s[i - 1] + frac * (s[i] - s[i - 1]))
 
 
+# Flags of `reach_step`: how the step was found, and so which way a ratio built from it is bounded.
+INTERPOLATED, EXTRAPOLATED, BEYOND, BEFORE = "", "extrapolated", "beyond", "before"
+
+
+def value_at(steps: Sequence[float], values: Sequence[float], step: float) -> float:
+    """The curve's value at `step`, linearly interpolated between evaluations (step within the grid)."""
+    s = np.asarray(steps, dtype=np.float64)
+    if not s[0] <= step <= s[-1]:
+        raise ValueError(f"step {step} is outside the evaluation grid {s[0]}..{s[-1]}")
+    return float(np.interp(step, s, np.asarray(values, dtype=np.float64)))
+
+
+def reach_step(steps: Sequence[float], values: Sequence[float], target: float,
+               lower_is_better: bool = True) -> tuple[float, str]:
+    """(step, flag): when the curve first reaches `target`, with at most one evaluation interval of
+    extrapolation past the last evaluation.
+
+    flag "" : interpolated between the two evaluations that bracket the crossing (`steps_to_target`);
+    "extrapolated": past the last evaluation, on the straight line through the last two, within one interval;
+    "beyond": not reached even so: the step returned (last + one interval) is a LOWER bound;
+    "before": already reached at the first evaluation: the step returned (the first) is an UPPER bound.
+    """
+    s = np.asarray(steps, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    sign = 1.0 if lower_is_better else -1.0
+    hit = steps_to_target(s, v, target, lower_is_better)
+    if math.isfinite(hit):
+        gap0 = sign * (v[0] - target)
+        return hit, BEFORE if hit == s[0] and gap0 < 0 else INTERPOLATED
+    interval = float(s[-1] - s[-2]) if len(s) > 1 else float(s[-1])
+    with np.errstate(invalid="ignore"):  # a diverged tail (inf - inf) has no slope
+        slope = (v[-1] - v[-2]) / interval if len(s) > 1 else 0.0
+    if np.isfinite(v[-1]) and sign * slope < 0:  # still improving: follow the last segment
+        step = float(s[-1] + (target - v[-1]) / slope)
+        if step <= s[-1] + interval:
+            return step, EXTRAPOLATED
+    return float(s[-1] + interval), BEYOND
+
+
+def monotone_fit(steps: Sequence[float], values: Sequence[float], lower_is_better: bool = True) -> np.ndarray:
+    """The curve's best monotone (never-worsening) least-squares approximation, by pool-adjacent-violators,
+    read back at the evaluation steps along straight lines through the pooled blocks' centres (and along the
+    end segments beyond them). Where the data improve it is strictly monotone, so every value is reached at
+    exactly one step: evaluation noise cannot make a curve "reach" a value early through a lucky dip, and a
+    curve compared with itself is shifted by exactly 0. A curve with a non-finite value (a diverged run) is
+    returned as it is."""
+    s = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(values, dtype=np.float64) * (1.0 if lower_is_better else -1.0)  # to be non-increasing
+    if not np.all(np.isfinite(y)) or len(y) < 2:
+        return np.asarray(values, dtype=np.float64).copy()
+    blocks: list[list[float]] = []  # [sum of y, count, sum of steps]
+    for xi, yi in zip(s, y):
+        blocks.append([yi, 1.0, xi])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            ys, n, xs = blocks.pop()
+            blocks[-1][0] += ys
+            blocks[-1][1] += n
+            blocks[-1][2] += xs
+    level = np.array([b[0] / b[1] for b in blocks])
+    centre = np.array([b[2] / b[1] for b in blocks])
+    if len(blocks) == 1:
+        fit = np.full_like(y, level[0])
+    else:
+        fit = np.interp(s, centre, level)
+        lo, hi = s < centre[0], s > centre[-1]
+        fit[lo] = level[0] + (s[lo] - centre[0]) * (level[1] - level[0]) / (centre[1] - centre[0])
+        fit[hi] = level[-1] + (s[hi] - centre[-1]) * (level[-1] - level[-2]) / (centre[-1] - centre[-2])
+    return fit * (1.0 if lower_is_better else -1.0)
+
+
+def time_shift(steps: Sequence[float], base: Sequence[float], arm: Sequence[float], fraction: float = 1.0,
+               lower_is_better: bool = True) -> dict[str, float | str]:
+    """Speed-up of the arm at `fraction` of the baseline's budget S, as a shift in time.
+
+    forward: the arm's value at step f S is reached by the baseline at step b; speed-up = b / (f S). An arm
+        2% behind at the end gets a little under 1 (the baseline got there a little earlier), not 0.
+    reverse: the baseline's value at f S is reached by the arm at step a; speed-up = f S / a.
+    Each comes with the `reach_step` flag of its crossing: a "beyond" or "before" crossing makes the
+    speed-up a bound (forward: beyond -> at least, before -> at most; reverse: the other way round).
+    Both curves are first replaced by their `monotone_fit`.
+    """
+    base = monotone_fit(steps, base, lower_is_better)
+    arm = monotone_fit(steps, arm, lower_is_better)
+    s_f = fraction * float(steps[-1])
+    b, b_flag = reach_step(steps, base, value_at(steps, arm, s_f), lower_is_better)
+    a, a_flag = reach_step(steps, arm, value_at(steps, base, s_f), lower_is_better)
+    return {"fraction": fraction, "step": s_f, "forward": b / s_f, "forward_flag": b_flag,
+            "reverse": s_f / a if a > 0 else math.inf, "reverse_flag": a_flag}
+
+
+def bound_of(flag: str, forward: bool) -> str:
+    """'>=' / '<=' when a time-shift speed-up with this crossing flag is a bound, '' when it is a value."""
+    if flag == BEYOND:
+        return ">=" if forward else "<="
+    if flag == BEFORE:
+        return "<=" if forward else ">="
+    return ""
+
+
 def mean_curve(curves: np.ndarray) -> np.ndarray:
     """Mean over seeds (rows); any infinite entry makes that step infinite (a diverged seed)."""
     with np.errstate(invalid="ignore"):
         return np.asarray(curves, dtype=np.float64).mean(axis=0)
-
-
-def baseline_targets(steps: Sequence[float], base_mean: Sequence[float]) -> dict[str, float]:
-    """The two targets fixed in advance: the baseline's final value and its value at half the budget."""
-    s = np.asarray(steps, dtype=np.float64)
-    half = int(np.argmin(np.abs(s - s[-1] / 2)))
-    return {"final": float(base_mean[-1]), "half": float(base_mean[half])}
-
-
-def _ratio(base: float, arm: float) -> float:
-    if math.isinf(arm):
-        return math.nan if math.isinf(base) else 0.0
-    if arm <= 0:
-        return math.inf
-    return base / arm
-
-
-@dataclass
-class SpeedUp:
-    target: float
-    base_steps: float
-    arm_steps: float
-    speedup: float
-    ci_low: float
-    ci_high: float
-    undefined_frac: float  # resamples where neither arm reached the target (left out of the CI)
-
-    def to_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
-
-
-def percentile_ci(samples: Sequence[float], level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval without interpolation (so +-inf samples give +-inf bounds, never nan)."""
-    a = np.asarray(samples, dtype=np.float64)
-    a = a[~np.isnan(a)]
-    if len(a) == 0:
-        return math.nan, math.nan
-    alpha = (1 - level) / 2
-    return (float(np.percentile(a, 100 * alpha, method="lower")),
-            float(np.percentile(a, 100 * (1 - alpha), method="higher")))
-
-
-def speedup_ci(steps: Sequence[float], base_curves: np.ndarray, arm_curves: np.ndarray, target: str = "final",
-               lower_is_better: bool = True, n_boot: int = 2000, seed: int = 0, level: float = 0.95,
-               paired: bool = False) -> SpeedUp:
-    """Speed-up of the arm over the baseline at the baseline's `target` ("final" | "half"), with a seed-
-    bootstrap CI (see the module docstring).
-
-    `base_curves`, `arm_curves`: (seeds, len(steps)) arrays on the shared grid, already `fill_diverged`.
-    `paired`: row i of both arrays comes from the same seed; resample rows jointly (the baseline against
-    itself then gives exactly 1).
-    """
-    base_curves = np.asarray(base_curves, dtype=np.float64)
-    arm_curves = np.asarray(arm_curves, dtype=np.float64)
-
-    def one(bc: np.ndarray, ac: np.ndarray) -> tuple[float, float, float]:
-        bm = mean_curve(bc)
-        tv = baseline_targets(steps, bm)[target]
-        return (tv, steps_to_target(steps, bm, tv, lower_is_better),
-                steps_to_target(steps, mean_curve(ac), tv, lower_is_better))
-
-    tv, b, a = one(base_curves, arm_curves)
-    rng = np.random.default_rng(seed)
-    ratios = np.empty(n_boot)
-    for i in range(n_boot):
-        bi = rng.integers(0, len(base_curves), len(base_curves))
-        ai = bi if paired else rng.integers(0, len(arm_curves), len(arm_curves))
-        _, bb, ab = one(base_curves[bi], arm_curves[ai])
-        ratios[i] = _ratio(bb, ab)
-    lo, hi = percentile_ci(ratios, level)
-    return SpeedUp(tv, b, a, _ratio(b, a), lo, hi, float(np.isnan(ratios).mean()))
-
-
-def ratio_of_means_ci(base: Sequence[float], arm: Sequence[float], n_boot: int = 2000, seed: int = 0,
-                      level: float = 0.95, paired: bool = False) -> tuple[float, float, float]:
-    """mean(arm) / mean(base) with a seed-bootstrap percentile CI: for stability statistics and final metrics.
-    `paired`: entry i of both comes from the same seed; resample them jointly."""
-    base = np.asarray(base, dtype=np.float64)
-    arm = np.asarray(arm, dtype=np.float64)
-    if len(base) == 0 or len(arm) == 0:
-        return math.nan, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        point = float(arm.mean() / base.mean())
-        boots = []
-        for _ in range(n_boot):
-            bi = rng.integers(0, len(base), len(base))
-            ai = bi if paired else rng.integers(0, len(arm), len(arm))
-            boots.append(arm[ai].mean() / base[bi].mean())
-    lo, hi = percentile_ci(boots, level)
-    return point, lo, hi
-
-
-def verdict(low: float, high: float, threshold: float, higher_is_better: bool = True) -> str:
-    """`holds` if the whole CI is on the claimed side of `threshold`, `does not hold` if it is wholly on the
-    other side (or touches it from there), `inconclusive` if it straddles it (or is undefined)."""
-    if math.isnan(low) or math.isnan(high):
-        return "inconclusive"
-    if higher_is_better:
-        if low > threshold:
-            return "holds"
-        if high <= threshold:
-            return "does not hold"
-    else:
-        if high < threshold:
-            return "holds"
-        if low >= threshold:
-            return "does not hold"
-    return "inconclusive"

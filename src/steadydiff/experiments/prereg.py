@@ -1,0 +1,72 @@
+"""Pre-registration, enforced by the tool: the first `compare` run of an experiment records a hash of its
+design (arms, seeds, metric, shared overrides, base config) and of every claim in OUT/preregistration.json,
+before anything trains. Later reports compare the experiment file with that record: a claim added or changed
+afterwards, or any claim after the design changed, is marked "post hoc" in the report, by the tool."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ..utils.io import atomic_write_text
+from .spec import Claim, Experiment
+
+FILE = "preregistration.json"
+PRE_REGISTERED = "pre-registered"
+NOT_RECORDED = "not recorded"  # the runs predate the record (reports re-rendered from older runs)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def design_hash(exp: Experiment) -> str:
+    """What every claim rests on: arms and their overrides, baseline, seeds, metric, shared overrides and the
+    base config's content."""
+    return _digest({"arms": exp.arms, "baseline": exp.baseline, "seeds": exp.seeds, "metric": exp.metric,
+                    "lower_is_better": exp.lower_is_better, "set": exp.set,
+                    "base": Path(exp.base).read_text() if Path(exp.base).is_file() else str(exp.base)})
+
+
+def claim_hash(claim: Claim) -> str:
+    fields = dataclasses.asdict(claim)
+    fields.pop("post_hoc", None)  # the author's own marking is not part of what was registered
+    return _digest(fields)
+
+
+def record(exp: Experiment, out: Path) -> bool:
+    """Write OUT/preregistration.json unless it exists; True when written now."""
+    path = Path(out) / FILE
+    if path.exists():
+        return False
+    rec = {"experiment": exp.name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "design": design_hash(exp), "claims": {c.name: claim_hash(c) for c in exp.claims}}
+    atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
+    return True
+
+
+def claim_status(exp: Experiment, out: Path) -> dict[str, str]:
+    """{claim name: "pre-registered" | "post hoc (...why...)" | "not recorded"} against OUT's record."""
+    path = Path(out) / FILE
+    declared = {c.name: "post hoc (declared in the experiment file)" for c in exp.claims if c.post_hoc}
+    if not path.exists():
+        return {c.name: declared.get(c.name, NOT_RECORDED) for c in exp.claims}
+    rec = json.loads(path.read_text())
+    design_changed = rec.get("design") != design_hash(exp)
+    status = {}
+    for c in exp.claims:
+        if c.name in declared:
+            status[c.name] = declared[c.name]
+        elif design_changed:
+            status[c.name] = "post hoc (arms, seeds, metric or base config changed after the first run)"
+        elif c.name not in rec["claims"]:
+            status[c.name] = f"post hoc (added after the first run on {rec['date']})"
+        elif rec["claims"][c.name] != claim_hash(c):
+            status[c.name] = f"post hoc (changed after the first run on {rec['date']})"
+        else:
+            status[c.name] = PRE_REGISTERED
+    return status

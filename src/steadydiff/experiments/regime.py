@@ -1,0 +1,66 @@
+"""Where an experiment ran, in the terms a paper states its regime in, and which schedules are tied to the
+step budget (a "steps to reach X" read off a run whose schedule horizon is its own budget is not what a
+shorter run would need)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..train.momentum import build_momentum
+from ..train.schedules import build_lr_schedule
+
+# The rows of the regime table, in order, with the labels the report prints.
+REGIME_ROWS = {
+    "model": "model", "long_skips": "long skips", "depth": "depth", "width": "width", "params": "parameters",
+    "optimizer": "optimiser", "lr": "lr", "warmup": "warm-up steps", "schedule": "lr schedule",
+    "clipping": "gradient clipping", "batch": "batch", "steps": "steps", "lr_sum": "lr summed over steps",
+    "data": "data",
+}
+
+
+def _model_facts(cfg: Config, sample_shape) -> dict[str, Any]:
+    from ..nn import build_model
+
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        net = build_model(cfg.model, tuple(sample_shape))
+    m = cfg.model
+    width = {"unet": m.channels, "edm2": m.channels, "uvit": m.embed_dim, "mlp_unet": m.hidden}[m.backbone]
+    depth = m.depth if m.backbone in ("uvit", "mlp_unet") else f"{len(m.channel_mult)} levels x {m.num_res_blocks}"
+    return {"long_skips": net.num_skips, "width": width, "depth": depth,
+            "params": sum(p.numel() for p in net.parameters())}
+
+
+def lr_sum(cfg: Config) -> float:
+    """sum over steps k of the learning rate actually applied: lr x schedule(k) x MDLRC factor(k)."""
+    t = cfg.train
+    sched, mom = build_lr_schedule(t), build_momentum(cfg)
+    return float(sum(t.lr * sched(k) * mom.lr_factor(k) for k in range(t.steps)))
+
+
+def regime(cfg: Config, sample_shape) -> dict[str, Any]:
+    """The regime-table values of one run config."""
+    t, m = cfg.train, cfg.model
+    skip = m.skip_scaling + (f" kappa {m.kappa}" if m.skip_scaling == "cs" else "")
+    return {
+        "model": f"{m.backbone} ({skip})", **_model_facts(cfg, sample_shape),
+        "optimizer": f"AdamW betas {tuple(t.betas)}, wd {t.weight_decay}", "lr": t.lr, "warmup": t.warmup_steps,
+        "schedule": t.lr_schedule, "clipping": "none" if t.grad_clip is None else f"max norm {t.grad_clip}",
+        "batch": t.batch_size, "steps": t.steps, "lr_sum": round(lr_sum(cfg), 4),
+        "data": f"{cfg.data.name} {list(sample_shape)}" + (f", first {cfg.data.max_items}" if cfg.data.max_items
+                                                            else ""),
+    }
+
+
+def tied_horizons(cfg: Config) -> list[str]:
+    """Schedule horizons of this config that equal train.steps because nothing set them."""
+    t, tied = cfg.train, []
+    if t.timesteps == "clts" and t.clts_steps is None:
+        tied.append("CLTS curriculum length train.clts_steps")
+    if t.momentum != "constant" and t.momentum_steps is None:
+        tied.append(f"{t.momentum} horizon train.momentum_steps")
+    if t.lr_schedule == "cosine":
+        tied.append("cosine LR decay length (train.steps)")
+    return tied
