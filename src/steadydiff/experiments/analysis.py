@@ -223,8 +223,13 @@ def rerender(exp: Experiment, out: Path, report_command: str = "") -> dict[str, 
                calibration=read_calibration(out), report_command=report_command,
                regime=regime(cfg, load_dataset(cfg.data).sample_shape),
                rerendered=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    base_mean = [_float(v) for v in rep["arms"][exp.baseline]["curve_mean"]]
     for arm, entry in rep["arms"].items():
         entry.setdefault("horizons_tied", tied_horizons(exp.run_config(arm, exp.seeds[0])))
+        if "time_shift" not in entry:  # older results: the seed-mean curves are all there is
+            mean = [_float(v) for v in entry["curve_mean"]]
+            entry["time_shift"] = {name: {**time_shift(rep["grid"], base_mean, mean, frac, rep["lower_is_better"]),
+                                          "per_seed": None} for name, frac in TARGETS.items()}
     rep["claims"] = judge_claims(exp, rep)
     atomic_write_text(path, json.dumps(_json_safe(rep), indent=1) + "\n")
     return rep
@@ -253,11 +258,8 @@ def judge(claim, rep: dict[str, Any], n_boot: int = 2000) -> dict[str, Any]:
                            "registration": rep.get("registration", {}).get(claim.name, NOT_RECORDED)}
     ratios, note, more = None, "", True
     if claim.kind == "speedup":
-        ts = a.get("time_shift", {}).get(claim.target)
-        if ts is None:  # a results.json from before time shifts: the seed-mean curves are all there is
-            grid = rep["grid"]
-            ts = time_shift(grid, [_float(v) for v in b["curve_mean"]], [_float(v) for v in a["curve_mean"]],
-                            TARGETS[claim.target], rep["lower_is_better"])
+        ts = a["time_shift"][claim.target]
+        if ts.get("per_seed") is None:  # `rerender` of results stored without per-seed curves
             note = "per-seed curves were not stored with these runs: seed-mean estimate only, no interval"
         else:
             ratios = ts["per_seed"]

@@ -201,6 +201,9 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
                 lines.append(f"| {name} | " + " | ".join(_f(a["sensitivity"]["per_t"].get(t)) for t in ts) + " |")
     lines += _calibration_lines(rep)
     lines += ["", "## Plots", "", "![metric vs steps](metric.png)", "", "![stability](stability.png)", ""]
+    reading = out / "reading.md"  # the authors' reading of the results, written after the runs, kept as it is
+    if reading.is_file():
+        lines += [reading.read_text().rstrip(), ""]
     text = "\n".join(ln for ln in lines if ln is not None) + "\n"
     atomic_write_text(out / "report.md", text)
     return text
