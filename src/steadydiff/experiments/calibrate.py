@@ -67,33 +67,44 @@ def _val_values(loaded, key: str, size: int, reference_n: int, repeats: int) -> 
     return [one(size, d.val_seed + 1 + j) for j in range(repeats)], one(reference_n, d.val_seed + 1000)
 
 
+def _values(loaded, metric: str, n: int, reference_n: int, repeats: int) -> tuple[list[float], float]:
+    if metric.startswith("eval/"):
+        return _eval_values(loaded, metric.removeprefix("eval/"), n, reference_n, repeats)
+    if metric in ("val/loss", "val/ema_loss"):
+        return _val_values(loaded, metric, n, reference_n, repeats)
+    raise ValueError(f"cannot calibrate {metric!r}: calibration re-measures eval/<metric>, val/loss or val/ema_loss")
+
+
+def _default_size(cfg, metric: str) -> int:
+    return cfg.train.eval_n if metric.startswith("eval/") else cfg.diagnostics.val_size
+
+
 def run_calibration(exp: Experiment, out: Path) -> dict[str, Any]:
-    """Measure the metric's noise on the finished runs `exp.calibrate` names; writes OUT/calibration.json."""
+    """Measure the noise of each calibrated metric (`calibrate: {metrics, sizes}`; default the experiment's
+    metric at the runs' own size) on the finished runs `exp.calibrate` names; writes OUT/calibration.json.
+    `sizes: {metric: [n, ...]}` measures a metric at several sample sizes, to choose one."""
     from ..runs import load_model
 
     cal = exp.calibrate
     repeats = int(cal.get("repeats", 5))
+    metrics = list(cal.get("metrics", [exp.metric]))
     rows = []
     for arm in cal.get("arms", [exp.baseline]):
         for seed in cal.get("seeds", exp.seeds[:1]):
             rdir = run_dir(out, arm, seed)
-            raw = exp.metric == "val/loss"  # val/loss is the raw model's; everything else the EMA's
-            loaded = load_model(rdir, use_ema=not raw)
-            if exp.metric.startswith("eval/"):
-                n = int(cal.get("n", loaded.cfg.train.eval_n))
-                values, ref = _eval_values(loaded, exp.metric.removeprefix("eval/"), n,
-                                           int(cal.get("reference_n", 4 * n)), repeats)
-            elif exp.metric in ("val/loss", "val/ema_loss"):
-                n = int(cal.get("n", loaded.cfg.diagnostics.val_size))
-                values, ref = _val_values(loaded, exp.metric, n, int(cal.get("reference_n", 4 * n)), repeats)
-            else:
-                raise ValueError(f"cannot calibrate {exp.metric!r}: calibration re-measures eval/<metric>, "
-                                 "val/loss or val/ema_loss")
-            v = np.asarray(values)
-            rows.append({"arm": arm, "seed": seed, "step": loaded.step, "n": n, "values": values,
-                         "mean": float(v.mean()), "sd": float(v.std(ddof=1)), "reference": ref,
-                         "reference_n": int(cal.get("reference_n", 4 * n)), "bias": float(v.mean() - ref)})
-    cv = float(np.sqrt(np.mean([(r["sd"] / r["mean"]) ** 2 for r in rows])))  # pooled over the calibrated runs
+            for metric in metrics:
+                loaded = load_model(rdir, use_ema=metric != "val/loss")  # val/loss is the raw model's
+                sizes = cal.get("sizes", {}).get(metric) or [int(cal.get("n", _default_size(loaded.cfg, metric)))]
+                for n in sizes:
+                    ref_n = int(cal.get("reference_n", 4 * max(sizes)))
+                    values, ref = _values(loaded, metric, int(n), ref_n, repeats)
+                    v = np.asarray(values)
+                    rows.append({"metric": metric, "arm": arm, "seed": seed, "step": loaded.step, "n": int(n),
+                                 "values": values, "mean": float(v.mean()), "sd": float(v.std(ddof=1)),
+                                 "reference": ref, "reference_n": ref_n, "bias": float(v.mean() - ref)})
+    # The experiment's own metric at the runs' size sets the noise floor quoted beside the claims.
+    own = [r for r in rows if r["metric"] == exp.metric] or rows
+    cv = float(np.sqrt(np.mean([(r["sd"] / r["mean"]) ** 2 for r in own])))
     result = {"metric": exp.metric, "repeats": repeats, "runs": rows, "cv": cv, "seeds": len(exp.seeds),
               "mdr_noise": minimum_detectable_ratio(math.sqrt(2.0) * cv, len(exp.seeds))}
     atomic_write_text(Path(out) / FILE, json.dumps(result, indent=1) + "\n")

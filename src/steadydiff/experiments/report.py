@@ -125,14 +125,16 @@ def _calibration_lines(rep: dict[str, Any]) -> list[str]:
     if not cal:
         return ["", "## Metric noise", "", "Not measured for this experiment (`steadydiff compare ... --calibrate`)."]
     lines = ["", "## Metric noise (calibration)", "",
-             f"`{cal['metric']}` re-measured {cal['repeats']} times independently at the final checkpoint "
-             "(sampling seeds for sample metrics, validation sets for validation losses), against one large-n "
-             "reference.", "", "| run | n | values | mean +- sd | reference (n) | bias |", "|---|---|---|---|---|---|"]
+             f"Each metric re-measured {cal['repeats']} times independently at the final checkpoint (sampling "
+             "seeds for sample metrics, validation sets for validation losses), against one large-n reference.",
+             "", "| metric | run | n | values | mean +- sd | reference (n) | bias |", "|---|---|---|---|---|---|---|"]
     for r in cal["runs"]:
-        lines.append(f"| {r['arm']}/seed-{r['seed']} (step {r['step']}) | {r['n']} | "
+        lines.append(f"| {r.get('metric', cal['metric'])} | {r['arm']}/seed-{r['seed']} (step {r['step']}) | "
+                     f"{r['n']} | "
                      f"{', '.join(_f(v, 4) for v in r['values'])} | {_f(r['mean'], 4)} +- {_f(r['sd'], 2)} | "
                      f"{_f(r['reference'], 4)} ({r['reference_n']}) | {_f(r['bias'], 3)} |")
-    lines += ["", f"Coefficient of variation {_f(cal['cv'])}: with {cal['seeds']} paired seeds, metric noise alone "
+    lines += ["", f"`{cal['metric']}`: coefficient of variation {_f(cal['cv'])}; with {cal['seeds']} paired seeds, "
+              "metric noise alone "
               f"limits resolvable final-metric ratios to beyond {_f(cal['mdr_noise'])} (80% power, alpha 0.05); the "
               "per-claim figures above include the seed-to-seed spread as well."]
     return lines

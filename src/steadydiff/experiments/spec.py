@@ -30,7 +30,7 @@ the experiment's first run (`prereg.py`).
 
 Optional blocks: `paper:` states the paper's regime beside ours (keys of `regime.REGIME_ROWS`, plus `source`,
 `in_regime: false` when the runs are outside it, and `note`); `calibrate:` sets how `compare --calibrate`
-measures the metric's noise (`repeats`, `n`, `reference_n`, `arms`, `seeds`).
+measures metric noise (`repeats`, `n`, `reference_n`, `arms`, `seeds`, `metrics`, `sizes`).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class Experiment:
 
 _KEYS = {"name", "base", "set", "baseline", "arms", "seeds", "metric", "stability", "stability_warmup",
          "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate"}
-_CALIBRATE_KEYS = {"repeats", "n", "reference_n", "arms", "seeds"}
+_CALIBRATE_KEYS = {"repeats", "n", "reference_n", "arms", "seeds", "metrics", "sizes"}
 
 
 def _mapping(value: Any, key: str) -> dict[str, Any]:
