@@ -163,6 +163,21 @@ class UNet(LongSkips, nn.Module):
         up[0] runs first (innermost skip), so a resolution level with several stages gives several blocks."""
         return list(reversed(self.up))
 
+    def skip_groupnorm_isolation(self) -> list[float]:
+        """Per long skip (outermost first): the fraction of its channels that sit in GroupNorm groups of the
+        consuming block's first norm with no main-path channel. The block normalises cat([h, s]) group by
+        group, so in such groups a skip coefficient kappa_i is divided out exactly (ScaleLong's CS then acts
+        only through the mixed groups and the 1x1 shortcut conv)."""
+        fractions = []
+        for stage, n_skip in zip(self.decoder_blocks(), self.skip_channels):
+            norm = stage[0].norm1
+            cin = norm.num_channels
+            size = cin // norm.num_groups
+            main = cin - n_skip  # cat([h, s]): the main path's channels come first
+            isolated = sum(size for g in range(norm.num_groups) if g * size >= main)
+            fractions.append(isolated / n_skip)
+        return fractions
+
     def forward(self, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
         emb = self.embed(t, labels)
         h = self.conv_in(x)
