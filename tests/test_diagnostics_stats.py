@@ -144,7 +144,7 @@ def test_oscillation_summary():
     signed = rng.normal(size=200)
     out = oscillation_summary({"loss": loss, "signed": signed}, warmup=20)
     keys = {"n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes",
-            "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv"}
+            "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv", "growth"}
     assert set(out) == {"loss", "signed"} and all(set(v) == keys for v in out.values())
     s = out["loss"]
     assert s["n"] == 180.0
@@ -579,3 +579,27 @@ def test_cs_shrinks_decoder_features_at_init_and_theory_fit():
     assert again["n_samples"] == 300
     same = theory_fit(model, sde, x0, 300, torch.Generator().manual_seed(0))
     assert same == fit  # deterministic given the generator
+
+
+def test_growth_is_last_over_first_tenth():
+    from steadydiff.diagnostics.stats import growth
+
+    x = np.linspace(1.0, 3.0, 100)
+    assert growth(x) == pytest.approx(np.mean(x[-10:]) / np.mean(x[:10]))
+    assert growth(np.full(50, 2.0)) == 1.0
+    assert growth([1.0, 1.0, 5.0, 4.0], warmup=2) == pytest.approx(4.0 / 5.0)  # warm-up dropped first
+    with pytest.raises(ValueError):
+        growth([1.0])
+
+
+def test_jacobian_spectral_norm_runs_through_attention():
+    """U-ViT attention (SDPA) has no double-backward in its fused CPU kernel: the estimate must still run."""
+    from steadydiff.diagnostics.sensitivity import jacobian_spectral_norm
+    from steadydiff.nn import UViT
+
+    torch.manual_seed(0)
+    model = UViT(img_size=8, patch_size=4, in_chans=1, embed_dim=16, depth=4, num_heads=2)
+    x = torch.randn(2, 1, 8, 8)
+    gen = torch.Generator().manual_seed(0)
+    sigma = jacobian_spectral_norm(model, x, torch.full((2,), 500.0), iters=3, generator=gen)
+    assert sigma.shape == (2,) and bool(torch.all(sigma > 0))

@@ -256,3 +256,21 @@ def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path):
     assert rows["default"]["per_round_speedup"] == [1.0, 1.0]  # the reference against itself
     assert all(r["ms_per_step"] > 0 and len(r["per_round_speedup"]) == 2 for r in rows.values())
     assert "| demo | channels_last |" in (tmp_path / "ss.md").read_text()
+
+
+def test_gpu_evidence_runs_in_tiny_cpu_mode(tmp_path):
+    """benchmarks/gpu_evidence.py end to end at toy size on the CPU: the main test's compare with its claims,
+    the two paper-size stand-ins trained, and the diagnose report over them."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = tmp_path / "ev"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--tiny", "--device", "cpu",
+                           "--lrs", "1e-3", "--minutes", "6", "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: v["exit"] for k, v in summary["status"].items()} == {
+        "main-lr0.001": 0, "uvit-s-org": 0, "uvit-s-cs": 0, "uvit-s-diagnose": 0}
+    res = json.loads((out / "main-lr0.001" / "results.json").read_text())
+    assert len(res["claims"]) == 9 and all(c["registration"] == "pre-registered" for c in res["claims"])
+    assert set(res["arms"]) == {"org", "cs-0.5", "ls"} and res["seeds"] == [0, 1]
+    assert (out / "uvit-s-diagnose" / "stability.md").exists()

@@ -23,8 +23,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from steadydiff.diffusion.vp import VPSDE, draw_normal
+from ..diffusion.vp import VPSDE
+from ..utils.rng import draw_normal
 
 __all__ = ["jacobian_spectral_norm", "perturbation_ratio", "sensitivity_vs_t"]
 
@@ -148,7 +150,8 @@ def jacobian_spectral_norm(
     def f(inp: Tensor) -> Tensor:
         return model(inp, t_model, labels)
 
-    with _eval_mode(model):
+    # The math attention kernel: the fused CPU/GPU kernels have no forward-mode or double-backward derivative.
+    with _eval_mode(model), sdpa_kernel(SDPBackend.MATH):
         jv, jtu, _ = _linearise(f, x)
         v = draw_normal(x.shape, generator, x.device, dtype=x.dtype)
         v = v / _bcast(_norm(v), v)

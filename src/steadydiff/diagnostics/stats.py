@@ -26,6 +26,7 @@ __all__ = [
     "count_spikes",
     "detrended_cv",
     "detrended_std",
+    "growth",
     "log_residual_std",
     "max_to_median",
     "mean_abs_delta",
@@ -314,6 +315,18 @@ def log_residual_std(
     return float(np.std(np.log(y / m)))
 
 
+def growth(x: ArrayLike, warmup: float = 0, *, frac: float = 0.1, steps: ArrayLike | None = None) -> float:
+    """mean of the last `frac` of the kept points over the mean of the first `frac` (at least one point each;
+    needs >= 2 points and a non-zero first mean): how far a series (e.g. a feature norm) grew over the run."""
+    arr = _drop_warmup(x, warmup, steps)
+    _need(arr, 2, "growth")
+    k = max(1, int(round(frac * arr.shape[0])))
+    first = float(np.mean(arr[:k]))
+    if first == 0.0:
+        raise ValueError("growth: the first points average to 0")
+    return float(np.mean(arr[-k:])) / first
+
+
 def detrended_cv(x: ArrayLike, window: int = 21, warmup: float = 0, *, steps: ArrayLike | None = None) -> float:
     """std(r) / mean(a), population std (ddof=0), with a the CENTRED moving average and r = y - a, both only
     at the positions where the full window fits.
@@ -367,12 +380,12 @@ def oscillation_summary(
     so `warmup` counts points for them). Returns {name: {stat: value}} with the keys
 
         n (kept points), mean, detrended_std, cv, median_abs_log_delta, spike_ratio, mean_abs_delta, spikes,
-        spike_frac_5x, spike_frac_3x, max_to_median, log_residual_std, detrended_cv
+        spike_frac_5x, spike_frac_3x, max_to_median, log_residual_std, detrended_cv, growth
 
     where detrended_std and detrended_cv use `window` (detrended_cv: 2 (window // 2) + 1 points, as
     detrended_std's moving average), spike_ratio uses `q`, spikes = count_spikes with `spike_k`, and
     spike_frac_5x / spike_frac_3x (= spike_fraction with factor 5 / 3), max_to_median and log_residual_std
-    use the trailing median over `spike_window` (default min_history).
+    use the trailing median over `spike_window` (default min_history), and growth is last over first tenth.
 
     A statistic that is undefined for a series (e.g. logs of a series with non-positive values, too few
     points) is reported as nan, so every series has the same keys.
@@ -395,5 +408,6 @@ def oscillation_summary(
             "max_to_median": _safe(max_to_median, kept, spike_window),
             "log_residual_std": _safe(log_residual_std, kept, spike_window),
             "detrended_cv": _safe(detrended_cv, kept, window),
+            "growth": _safe(growth, kept),
         }
     return out

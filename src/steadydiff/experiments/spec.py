@@ -47,7 +47,7 @@ from .inference import TESTS
 
 CLAIM_KINDS = ("speedup", "final", "stability", "sensitivity")
 STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes",
-         "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv")
+         "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv", "growth")
 TARGETS = {"half": 0.5, "three_quarters": 0.75, "final": 1.0}  # speed-up targets: fractions of the budget
 
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# ScaleLong evidence on one GPU in one go (benchmarks/gpu_evidence.py): the main test of issue 18 at three
+# learning rates x 8 seeds as concurrent processes, and U-ViT-S at the paper's size, Org vs CS, for the
+# remaining minutes; all under 9 minutes. Needs a CUDA machine with PyTorch and this checkout only: no installs,
+# no downloads (Fashion-MNIST from --data DIR, the idx files, or steadydiff's usual places).
+#   bash benchmarks/gpu_evidence.sh [--lrs 5e-4,1e-3,2e-3] [--minutes 9] [--data DIR] [--out DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_evidence: error: no CUDA device visible to $PY (torch.cuda.is_available() is False); run this on a" \
+         "GPU machine, or try the CPU smoke test: PYTHONPATH=src $PY benchmarks/gpu_evidence.py --tiny --device cpu" >&2
+    exit 2
+fi
+PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" benchmarks/gpu_evidence.py --device cuda "$@"
