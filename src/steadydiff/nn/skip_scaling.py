@@ -16,6 +16,17 @@ Methods (README names of the official `--config.nnet.scalelong` values 0..4):
   cs         kappa_i = kappa^(i-1)               (2, "CS"); bounds sum_i kappa_i^2 <= 1/(1-kappa^2)
   ls         kappa_i = zeta(skip_i), one gate    (3, "LS")
   ls_ns      kappa_i = zeta_i(skip_i), per skip  (4, "LS non-share")
+
+Which backbones the coefficient reaches (reports/skip-effect, `diagnostics.skip_effect`): a coefficient only
+matters if the block that fuses the skip does not divide it out again.
+  uvit       Linear(2D -> D) on cat([x, kappa_i s]): kappa_i passes on (effective scale ~kappa_i, trained).
+  edm2       MP-Cat, then convolutions without a norm in front: kappa_i passes on (~kappa_i at init).
+  mlp_unet   Linear fusion: kappa_i passes on.
+  unet       ADM-style ResBlock starting with GroupNorm(cat([h, kappa_i s])): in every group made only of skip
+             channels kappa_i cancels exactly (`UNet.skip_groupnorm_isolation`); it survives only through the
+             mixed groups and the 1x1 shortcut convolution. At init (zero-initialised residual convs) the
+             shortcut carries everything and kappa_i passes on; after training most of it is undone (a trained
+             width-16 UNet turns kappa 0.0625 into an effective 0.70-0.85).
 """
 
 from __future__ import annotations
