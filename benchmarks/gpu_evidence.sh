@@ -4,12 +4,4 @@
 # remaining minutes; all under 9 minutes. Needs a CUDA machine with PyTorch and this checkout only: no installs,
 # no downloads (Fashion-MNIST from --data DIR, the idx files, or steadydiff's usual places).
 #   bash benchmarks/gpu_evidence.sh [--lrs 5e-4,1e-3,2e-3] [--minutes 9] [--data DIR] [--out DIR]
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
-if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_evidence: error: no CUDA device visible to $PY (torch.cuda.is_available() is False); run this on a" \
-         "GPU machine, or try the CPU smoke test: PYTHONPATH=src $PY benchmarks/gpu_evidence.py --tiny --device cpu" >&2
-    exit 2
-fi
-PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" benchmarks/gpu_evidence.py --device cuda "$@"
+exec bash "$(dirname "$0")/run_on_cuda.sh" gpu_evidence.py "--tiny --device cpu" "$@"
