@@ -11,6 +11,7 @@ import numpy as np
 from ..diagnostics.stats import moving_average
 from ..runs.metrics_log import read_metrics, series
 from ..utils.io import atomic_write, atomic_write_text
+from .inference import minimum_detectable_ratio
 from .runner import run_dir
 from .spec import Experiment
 from .speedup import bound_of
@@ -127,12 +128,19 @@ def _calibration_lines(rep: dict[str, Any]) -> list[str]:
     lines = ["", "## Metric noise (calibration)", "",
              f"Each metric re-measured {cal['repeats']} times independently at the final checkpoint (sampling "
              "seeds for sample metrics, validation sets for validation losses), against one large-n reference.",
-             "", "| metric | run | n | values | mean +- sd | reference (n) | bias |", "|---|---|---|---|---|---|---|"]
+             "The last column is the smallest ratio a paired design of 5 / 8 seeds could resolve if this noise "
+             "were the only seed-to-seed variation (log-ratio sd = sqrt(2) sd / mean; 80% power, alpha 0.05).",
+             "", "| metric | run | n | values | mean +- sd | reference (n) | bias | noise-only MDR, 5 / 8 seeds |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in cal["runs"]:
         lines.append(f"| {r.get('metric', cal['metric'])} | {r['arm']}/seed-{r['seed']} (step {r['step']}) | "
                      f"{r['n']} | "
                      f"{', '.join(_f(v, 4) for v in r['values'])} | {_f(r['mean'], 4)} +- {_f(r['sd'], 2)} | "
-                     f"{_f(r['reference'], 4)} ({r['reference_n']}) | {_f(r['bias'], 3)} |")
+                     f"{_f(r['reference'], 4)} ({r['reference_n']}) | {_f(r['bias'], 3)} | "
+                     + " / ".join(_f(minimum_detectable_ratio(math.sqrt(2) * r["sd"] / abs(r["mean"]), n), 4)
+                                  for n in (5, 8)) + " |")
+    if cal["seeds"] < 2:
+        return lines
     lines += ["", f"`{cal['metric']}`: coefficient of variation {_f(cal['cv'])}; with {cal['seeds']} paired seeds, "
               "metric noise alone "
               f"limits resolvable final-metric ratios to beyond {_f(cal['mdr_noise'])} (80% power, alpha 0.05); the "
