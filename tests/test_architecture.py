@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import shutil
+import subprocess
 import typing
 from pathlib import Path
 
@@ -123,6 +125,18 @@ def test_every_package_has_a_layer():
     packages = {p.stem if p.is_file() else p.name for p in (SRC / "steadydiff").iterdir()
                 if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
     assert packages - {"__main__"} == set(_layer_of()), "place every package in LAYERS (and ARCHITECTURE.md)"
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (SRC.parent / ".git").exists(), reason="not a git checkout")
+def test_no_source_or_test_file_is_git_ignored():
+    # A broad .gitignore pattern (once `runs/`) silently kept src/steadydiff/runs out of every commit; the tree
+    # worked here and failed on a fresh clone.
+    root = SRC.parent
+    files = [str(p.relative_to(root)) for d in ("src", "tests") for p in (root / d).rglob("*.py")
+             if "__pycache__" not in p.parts]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=root, capture_output=True,
+                             text=True).stdout.split()
+    assert not ignored, f"git ignores these source files: {ignored}"
 
 
 def test_no_upward_or_sideways_imports():
