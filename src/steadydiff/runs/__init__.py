@@ -26,7 +26,8 @@ from .run_dir import (
 
 __all__ = [
     "Checkpoint", "CheckpointError", "LoadedModel", "MetricsLog", "RunDirError", "check_run_dir",
-    "check_sample_shape", "checkpoint_dir", "saved_sample_shape", "export_model", "find_weights", "latest_checkpoint", "load_model", "load_state",
+    "check_sample_shape", "checkpoint_dir", "export_model", "find_weights", "latest_checkpoint", "load_model",
+    "load_state", "saved_sample_shape",
     "plot_curves", "read_checkpoint", "read_config", "read_metrics", "save_checkpoint", "series",
     "truncate_after", "write_config",
 ]
