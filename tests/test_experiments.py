@@ -12,7 +12,7 @@ import yaml
 from steadydiff.cli import main
 from steadydiff.config import ConfigError
 from steadydiff.experiments import load_experiment
-from steadydiff.experiments.analysis import judge
+from steadydiff.experiments.analysis import judge, late_change
 from steadydiff.experiments.spec import Claim
 from steadydiff.experiments.speedup import BEFORE, BEYOND, fill_diverged, steps_to_target, time_shift
 
@@ -161,6 +161,7 @@ def _write_experiment(tmp_path, **changes):
     ({"claims": [{"name": "x", "arm": "ghost", "kind": "speedup"}]}, "arm 'ghost' is not an arm"),
     ({"claims": [{"name": "x", "arm": "cs", "kind": "magic"}]}, "kind 'magic'"),
     ({"seeds": "three"}, "seeds"),
+    ({"claims": [{"name": "x", "arm": "cs", "kind": "speedup", "keys": ["loss"]}]}, "only on kind: final"),
     ({"base": "missing.yaml"}, "base config"),
 ])
 def test_bad_experiment_files_fail_before_training(tmp_path, change, needle):
@@ -220,6 +221,7 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     spec = yaml.safe_load(path.read_text())
     spec["claims"][0]["threshold"] = 0.9
     spec["claims"].append({"name": "cs is better at the end", "arm": "cs", "kind": "final"})
+    spec["claims"].append({"name": "cs ends lower on loss", "arm": "cs", "kind": "final", "keys": ["loss"]})
     spec["calibrate"] = {"repeats": 3, "n": 100, "reference_n": 300}
     path.write_text(yaml.safe_dump(spec))
     assert main(["compare", str(path), "--out", str(out), "--report-only", "--calibrate"]) == 0
@@ -227,6 +229,13 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     assert status["cs is faster"].startswith("post hoc (changed after the first run")
     assert status["cs is better at the end"].startswith("post hoc (added after the first run")
     assert status["cs oscillates less"] == status["cs is less sensitive"] == "pre-registered"
+    # A `keys` claim reads each run's last logged value of that series; a diverged run counts as the worst.
+    rows = [json.loads(x) for x in (out / "runs/cs/seed-1/metrics.jsonl").read_text().splitlines()]
+    last_loss = [r["loss"] for r in rows if "loss" in r][-1]
+    res = json.loads((out / "results.json").read_text())
+    assert res["arms"]["cs"]["final_of"]["loss"][1] == pytest.approx(last_loss)
+    assert res["arms"]["broken"]["final_of"]["loss"] == ["inf", "inf"]
+    assert len(res["arms"]["org"]["late_change_per_seed"]) == 2
     md = (out / "report.md").read_text()
     assert "post hoc (changed" in md and "post hoc (added" in md
     # Calibration: the metric re-measured with 3 sampling seeds at the final checkpoint, and a reference.
@@ -304,6 +313,33 @@ def test_final_claim_versus_another_arm_compares_with_that_arm():
     # a / b = 1.25 on every seed: a is worse than b, with no spread at all.
     assert vs_b["versus"] == "b" and vs_b["per_seed"] == pytest.approx([1.25] * 3)
     assert vs_b["value"] == pytest.approx(1.25) and vs_b["verdict"] == "does not hold"
+
+
+def test_final_claim_on_keys_judges_the_mean_of_those_series():
+    """`keys`: the per-seed mean of the named series' last values, paired against the baseline's; a non-
+    inferiority claim (at most 5% worse) holds only when the whole interval lies below 1.05."""
+    arms = {"base": {"final_per_seed": [1.0] * 3, "final_of": {"hi1": [1.0, 2.0, 3.0], "hi2": [3.0, 2.0, 1.0]}},
+            "a": {"final_per_seed": [9.0] * 3, "final_of": {"hi1": [2.04, 2.0, 2.06], "hi2": [2.0, 2.04, 2.0]}}}
+    c = judge(Claim(name="high noise not 5% worse", arm="a", kind="final", keys=["hi1", "hi2"], threshold=1.05),
+              _rep(arms))
+    # Means per seed: base 2, 2, 2; arm 2.02, 2.02, 2.03.
+    assert c["per_seed"] == pytest.approx([1.01, 1.01, 1.015]) and c["verdict"] == "holds"
+    worse = {"base": arms["base"], "a": {"final_of": {"hi1": [2.4, 2.3, 2.5], "hi2": [2.4, 2.5, 2.3]}}}
+    assert judge(Claim(name="x", arm="a", kind="final", keys=["hi1", "hi2"], threshold=1.05),
+                 _rep(worse))["verdict"] == "does not hold"
+    # Results stored before `final_of` existed: said, not guessed.
+    old = judge(Claim(name="x", arm="a", kind="final", keys=["hi1"]), _rep({"base": {}, "a": {}}))
+    assert old["verdict"] == "inconclusive" and "not stored" in old["note"]
+
+
+def test_late_change_is_the_log_slope_over_the_last_quarter():
+    grid = list(range(100, 1601, 100))
+    steps = np.asarray(grid, dtype=float)
+    falling = np.exp(-2e-4 * steps)  # exactly exp(-0.2) per 1k steps everywhere
+    flat = np.where(steps < 1000, 5.0 - steps / 1000, 4.0)  # plateaued well before the last quarter
+    out = late_change(grid, np.stack([falling, flat]))
+    assert out[0] == pytest.approx(np.expm1(-0.2)) and out[1] == pytest.approx(0.0, abs=1e-12)
+    assert np.isnan(late_change([100, 200], np.array([[1.0, 0.9]]))[0])  # too few evaluations to fit
 
 
 # ---------------------------------------------------------------------------------------------------------

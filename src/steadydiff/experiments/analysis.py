@@ -73,6 +73,41 @@ def metric_curves(exp: Experiment, out: Path) -> tuple[list[int], dict[str, np.n
     return grid, curves, results
 
 
+def final_values(exp: Experiment, out: Path) -> dict[str, dict[str, list[float]]]:
+    """Per arm, per key named by a claim's `keys`, each seed's last logged value (the worst value, inf or -inf,
+    for a run that diverged or never logged the key)."""
+    keys = sorted({k for c in exp.claims for k in (c.keys or [])})
+    worst = math.inf if exp.lower_is_better else -math.inf
+    res: dict[str, dict[str, list[float]]] = {}
+    for arm in exp.arms:
+        res[arm] = {k: [] for k in keys}
+        for s in exp.seeds:
+            ok = read_result(out, arm, s)["status"] == "ok"
+            rows = read_metrics(run_dir(out, arm, s)) if keys else []
+            for k in keys:
+                _, vals = series(rows, k)
+                v = float(vals[-1]) if ok and vals else worst
+                res[arm][k].append(v if math.isfinite(v) else worst)
+    return res
+
+
+def late_change(grid: list[int], curves: np.ndarray, fraction: float = 0.25) -> list[float]:
+    """Per seed, the metric's relative change per 1,000 steps over the last `fraction` of the budget (a
+    least-squares line through log values): near 0 when the run has plateaued, e.g. -0.05 = falling 5% per
+    1k steps. NaN when fewer than 3 evaluations fall in that window or a value is not positive and finite."""
+    steps = np.asarray(grid, dtype=np.float64)
+    window = steps >= steps[-1] - fraction * steps[-1]
+    out = []
+    for row in curves:
+        y = np.asarray(row, dtype=np.float64)[window]
+        if window.sum() < 3 or not np.all(np.isfinite(y) & (y > 0)):
+            out.append(math.nan)
+            continue
+        slope = np.polyfit(steps[window], np.log(y), 1)[0]
+        out.append(float(np.expm1(slope * 1000.0)))
+    return out
+
+
 def stability_stats(exp: Experiment, out: Path) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
     """oscillation_summary of each stability series, per arm and seed, after the warm-up."""
     stats: dict[str, dict[int, dict]] = {}
@@ -155,6 +190,7 @@ def analyse(exp: Experiment, out: Path, command: str = "", report_command: str =
     arms: dict[str, Any] = {}
     stab = stability_stats(exp, out)
     sens = sensitivity_stats(exp, out) if exp.sensitivity else None
+    finals_of = final_values(exp, out)
     for arm in exp.arms:
         c = curves[arm]
         finals = [float(v) for v in c[:, -1]]
@@ -168,6 +204,8 @@ def analyse(exp: Experiment, out: Path, command: str = "", report_command: str =
             "curve_min": [float(v) for v in c.min(axis=0)],
             "curve_max": [float(v) for v in c.max(axis=0)],
             "curves_per_seed": [[float(v) for v in row] for row in c],
+            "late_change_per_seed": late_change(grid, c),
+            "final_of": finals_of[arm],
             "wall_s": float(sum(r.get("wall_s", 0.0) for r in results[arm])),
             "time_shift": _time_shifts(grid, curves[base], c, exp.lower_is_better),
             "horizons_tied": tied_horizons(exp.run_config(arm, exp.seeds[0])),
@@ -254,7 +292,7 @@ def judge(claim, rep: dict[str, Any], n_boot: int = 2000) -> dict[str, Any]:
     a, b = arms[claim.arm], arms[versus]
     out: dict[str, Any] = {"name": claim.name, "arm": claim.arm, "versus": versus, "kind": claim.kind,
                            "threshold": claim.threshold, "direction": claim.direction, "target": claim.target,
-                           "series": claim.series, "stat": claim.stat,
+                           "series": claim.series, "stat": claim.stat, "keys": claim.keys,
                            "registration": rep.get("registration", {}).get(claim.name, NOT_RECORDED)}
     ratios, note, more = None, "", True
     if claim.kind == "speedup":
@@ -268,6 +306,13 @@ def judge(claim, rep: dict[str, Any], n_boot: int = 2000) -> dict[str, Any]:
                 note = f"{censored} per-seed crossings were outside the budget + one interval and enter at their bound"
         out["mean_curve"] = {k: ts[k] for k in ("forward", "forward_flag", "reverse", "reverse_flag")}
         point = ts["forward"]
+    elif claim.kind == "final" and claim.keys:
+        if all(k in a.get("final_of", {}) and k in b.get("final_of", {}) for k in claim.keys):
+            ratios = _per_seed_ratios(*(np.mean([x["final_of"][k] for k in claim.keys], axis=0).tolist()
+                                        for x in (b, a)))
+        else:
+            note = f"{', '.join(claim.keys)} were not stored with these runs"
+        more = not rep["lower_is_better"]
     elif claim.kind == "final":
         ratios = _per_seed_ratios(b["final_per_seed"], a["final_per_seed"])
         more = not rep["lower_is_better"]

@@ -40,6 +40,10 @@ def _interval(c: dict[str, Any]) -> str:
     return f"{_f(c['ci_low'])}-{_f(c['ci_high'])}"
 
 
+def _pct(v: float) -> str:
+    return f"{100 * v:+.1f}%" if math.isfinite(v) else "-"
+
+
 def _num(v: Any) -> float:
     try:
         return float(v)
@@ -50,7 +54,8 @@ def _num(v: Any) -> float:
 def _what(c: dict[str, Any], rep: dict[str, Any]) -> str:
     vs = c.get("versus", rep["baseline"])
     return {"speedup": f"time-shift speed-up at {c.get('target', 'final')} budget vs {vs}",
-            "final": f"final metric ratio vs {vs}",
+            "final": (f"ratio of the mean final {', '.join(c['keys'])} vs {vs}" if c.get("keys") else
+                      f"final metric ratio vs {vs}"),
             "stability": f"{c.get('stat', '')} of {c.get('series', '')}, ratio vs {vs}",
             "sensitivity": f"mean R(t), ratio vs {vs}"}[c["kind"]]
 
@@ -186,6 +191,16 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         div = ", ".join(f"seed {s} at step {at[str(s)]}" for s in a["diverged"]) or "0"
         lines.append(f"| {name} | {' | '.join(cells)} | {_f(a['final_mean'], 4)} +- {_f(a['final_sd'], 2)} | "
                      f"{', '.join(_f(v, 4) for v in a['final_per_seed'])} | {div} |")
+    if any("late_change_per_seed" in a for a in rep["arms"].values()):
+        lines += ["", "## Has it plateaued? (change over the last 25% of the budget)", "",
+                  f"Relative change of {rep['metric']} per 1,000 steps, from a least-squares line through its log "
+                  "over the evaluations in the last quarter of the run (0 = flat; -0.05 = still falling 5% per 1k "
+                  "steps).", "", "| arm | mean | per seed |", "|---|---|---|"]
+        for name, a in rep["arms"].items():
+            ch = [_num(v) for v in a.get("late_change_per_seed", [])]
+            fin = [v for v in ch if math.isfinite(v)]
+            lines.append(f"| {name} | {_pct(float(np.mean(fin))) if fin else '-'} | "
+                         f"{', '.join(_pct(v) for v in ch)} |")
     stab_keys = sorted({k for a in rep["arms"].values() for k in a["stability"]})
     if stab_keys:
         stats = [("median_abs_log_delta", "mald"), ("detrended_cv", "dcv"), ("spike_frac_3x", "spk3"),

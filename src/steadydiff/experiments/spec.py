@@ -19,7 +19,10 @@ log-ratios, and the claim's pre-registered `test`: t | wilcoxon | sign, at alpha
     speedup      time-shift speed-up at `target` (half | three_quarters | final: 50 / 75 / 100% of the budget):
                  the step at which the baseline reaches the arm's value there, over that step; holds if above
                  `threshold`
-    final        arm / baseline ratio of the final metric; holds if on the better side of `threshold`
+    final        arm / baseline ratio of the final metric; holds if on the better side of `threshold`.
+                 With `keys: [a, b, ...]` the value is instead the mean of those metrics.jsonl series at their
+                 last logged step (e.g. the high-noise bins `val/ema_loss/bin7..9`, or a final-only
+                 `eval/fd_fmnist`); they share the metric's direction
     stability    arm / baseline ratio of `stat` of `series`; holds if below `threshold` (less oscillation)
     sensitivity  arm / baseline ratio of the mean input sensitivity R(t); holds if below `threshold`
 
@@ -62,6 +65,7 @@ class Claim:
     stat: str = "median_abs_log_delta"  # stability
     versus: str | None = None  # final / stability / sensitivity: compare with this arm instead of the baseline
     direction: str = "less"  # stability / sensitivity: the claim is that the ratio is less (or more) than threshold
+    keys: list[str] | None = None  # final: judge the mean of these series' last values instead of the metric
     test: str = "t"  # the pre-registered test: t (paired t on log-ratios) | wilcoxon | sign
     post_hoc: bool = False  # chosen after seeing data (the author's marking; the tool adds its own)
 
@@ -165,6 +169,10 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
         if claim.versus is not None and (claim.versus not in arms or claim.kind == "speedup"):
             raise ConfigError(f"experiment claims[{i}]: versus {claim.versus!r} must name an arm, and speed-ups are "
                               "always against the baseline")
+        if claim.keys is not None and (claim.kind != "final" or not isinstance(claim.keys, list) or not claim.keys
+                                       or not all(isinstance(k, str) for k in claim.keys)):
+            raise ConfigError(f"experiment claims[{i}]: keys must be a non-empty list of metrics.jsonl keys, and "
+                              "only on kind: final")
         if claim.direction not in ("less", "more"):
             raise ConfigError(f"experiment claims[{i}]: direction {claim.direction!r}; choose less or more")
         if claim.target not in TARGETS:
