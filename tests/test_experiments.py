@@ -410,3 +410,14 @@ def test_preregistration_record_and_status(tmp_path):
     declared = load_experiment(_write_experiment(tmp_path, claims=[
         {"name": "cs is faster", "arm": "cs", "kind": "speedup", "post_hoc": True}]))
     assert claim_status(declared, tmp_path) == {"cs is faster": "post hoc (declared in the experiment file)"}
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parents[1].glob("experiments/*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_committed_experiment_file_loads_and_configures_every_run(path):
+    """An experiment file with a typo would fail only when someone runs it, after its pre-registration."""
+    exp = load_experiment(path)
+    assert exp.baseline in exp.arms and len(exp.seeds) >= 1
+    for arm in exp.arms:
+        cfg = exp.run_config(arm, exp.seeds[0])
+        assert cfg.train.seed == exp.seeds[0]
