@@ -3,10 +3,12 @@
 1. Activation and weight magnitudes (RMS per block, logged by the magnitude monitor) with and without magnitude
    preservation: how much each grows from the first to the last logged step (EDM2 Sec. 2, Fig. 3).
 2. The post-hoc EMA sweep: the quality of EMA weights reconstructed for a grid of sigma_rel from the MP arm's
-   snapshots (EDM2 Sec. 3), and a held-out check: sigma_rel 0.10 reconstructed from the 0.05 and 0.15
-   snapshots alone against the 0.10 EMA that was tracked directly during training.
+   snapshots (EDM2 Sec. 3), and a held-out check: every other tracked sigma_rel (0.10 inside the range:
+   interpolation; 0.03 and 0.25 outside it: extrapolation, where the run tracked them) reconstructed from the
+   0.05 and 0.15 snapshots alone, against the EMA that was tracked directly during training: relative L2 of
+   the weights and the FD of samples from each.
 
-    python experiments/edm2_study.py OUT [--n 200] [--steps 8]
+    python experiments/edm2_study.py OUT [--experiment experiments/edm2-mp-lr.yaml] [--n 200] [--steps 8]
 
 Writes OUT/edm2_study.json, OUT/edm2_study.md, OUT/magnitudes.png and OUT/phema_sweep.png.
 """
@@ -32,6 +34,14 @@ from steadydiff.train.phema import list_snapshots, reconstruct
 from steadydiff.utils.io import atomic_write, atomic_write_text
 
 SWEEP = [0.02, 0.04, 0.06, 0.08, 0.10, 0.12, 0.15, 0.20, 0.25]
+BASIS = (0.05, 0.15)  # the two snapshot lengths the held-out check reconstructs from
+
+
+def rel_l2(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over the floating-point tensors of two state dicts."""
+    keys = [k for k in b if b[k].is_floating_point()]
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in keys)
+    return math.sqrt(num / sum(float(b[k].double().pow(2).sum()) for k in keys))
 
 
 def magnitude_growth(rows: list[dict], kind: str) -> dict[str, float]:
@@ -67,7 +77,7 @@ def fd_of(weights: dict, cfg, ds, n: int, steps: int, seed: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the --out of `steadydiff compare experiments/edm2.yaml`")
-    ap.add_argument("--experiment", default=str(Path(__file__).with_name("edm2.yaml")))
+    ap.add_argument("--experiment", default=str(Path(__file__).with_name("edm2-mp-lr.yaml")))
     ap.add_argument("--n", type=int, default=200, help="samples per FD")
     ap.add_argument("--steps", type=int, default=8, help="Heun steps per sample")
     args = ap.parse_args()
@@ -91,7 +101,8 @@ def main() -> None:
                 growth[kind] += list(g.values())
                 st, v = mean_series(rows, kind)
                 ax.plot(st, v, lw=1, label=f"{arm} seed {s}",
-                        color={"mp": "tab:green", "no-mp": "tab:red"}.get(arm, "tab:orange"))
+                        color="tab:red" if arm.startswith("no-mp") else "tab:green" if arm.startswith("mp")
+                        else "tab:orange")
         report["magnitudes"][arm] = {
             f"{kind}_growth": {"median": float(np.median(v)) if v else math.nan,
                                "max": float(np.max(v)) if v else math.nan, "blocks_x_seeds": len(v)}
@@ -109,6 +120,8 @@ def main() -> None:
     torch.set_num_threads(2)
     for s in exp.seeds:
         rdir = run_dir(out, "mp", s)
+        if not (rdir / "phema").is_dir():
+            continue
         cfg = exp.run_config("mp", s)
         ds = load_dataset(cfg.data)
         snaps = list_snapshots(rdir / "phema")
@@ -116,20 +129,21 @@ def main() -> None:
         sweep = {}
         for (_, sr), w in reconstruct(snaps, [(last, sr) for sr in SWEEP]):
             sweep[sr] = fd_of(w, cfg, ds, args.n, args.steps, seed=0)
-        # Held out: 0.10 from the 0.05 and 0.15 snapshots only, against the directly tracked 0.10 EMA.
-        outer = [sn for sn in snaps if abs(sn.sigma_rel - 0.10) > 1e-6]
-        (_, recon), = list(reconstruct(outer, [(last, 0.10)]))
-        (_, tracked), = list(reconstruct([sn for sn in snaps if abs(sn.sigma_rel - 0.10) < 1e-6 and sn.step == last],
-                                         [(last, 0.10)]))
-        # (Reconstructing from the single tracked snapshot returns it exactly: coefficient 1.)
-        num = sum(float((recon[k] - tracked[k]).pow(2).sum()) for k in tracked if tracked[k].is_floating_point())
-        den = sum(float(tracked[k].pow(2).sum()) for k in tracked if tracked[k].is_floating_point())
-        report["phema"][s] = {
-            "step": last, "snapshots": len(snaps), "fd_vs_sigma_rel": sweep,
-            "heldout_rel_l2": math.sqrt(num / den),
-            "fd_tracked_0.10": fd_of(tracked, cfg, ds, args.n, args.steps, seed=0),
-            "fd_reconstructed_0.10": fd_of(recon, cfg, ds, args.n, args.steps, seed=0),
-        }
+        # Held out: every other tracked length from the BASIS snapshots only, against its directly tracked EMA
+        # (reconstructing from the single tracked snapshot returns it exactly: coefficient 1).
+        def near(sn, sr):
+            return abs(sn.sigma_rel - sr) < 1e-6
+        basis = [sn for sn in snaps if any(near(sn, b) for b in BASIS)]
+        held = sorted({sn.sigma_rel for sn in snaps if not any(near(sn, b) for b in BASIS)})
+        checks = {}
+        for sr in held:
+            (_, recon), = list(reconstruct(basis, [(last, sr)]))
+            (_, tracked), = list(reconstruct([sn for sn in snaps if near(sn, sr) and sn.step == last], [(last, sr)]))
+            checks[f"{sr:g}"] = {"kind": "interpolation" if BASIS[0] < sr < BASIS[1] else "extrapolation",
+                                 "rel_l2": rel_l2(recon, tracked),
+                                 "fd_tracked": fd_of(tracked, cfg, ds, args.n, args.steps, seed=0),
+                                 "fd_reconstructed": fd_of(recon, cfg, ds, args.n, args.steps, seed=0)}
+        report["phema"][s] = {"step": last, "snapshots": len(snaps), "fd_vs_sigma_rel": sweep, "heldout": checks}
     fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
     for s, r in report["phema"].items():
         ax.plot(list(r["fd_vs_sigma_rel"]), list(r["fd_vs_sigma_rel"].values()), "o-", lw=1, label=f"seed {s}")
@@ -152,13 +166,18 @@ def main() -> None:
     for arm, m in report["magnitudes"].items():
         lines.append(f"| {arm} | {m['act_growth']['median']:.3g} | {m['act_growth']['max']:.3g} | "
                      f"{m['weight_growth']['median']:.3g} | {m['weight_growth']['max']:.3g} |")
-    lines += ["", "## Post-hoc EMA (MP arm, final step)", "",
-              "| seed | " + " | ".join(f"sr={sr}" for sr in SWEEP) + " | tracked 0.10 | reconstructed 0.10 | rel. L2 |",
-              "|---|" + "---|" * (len(SWEEP) + 3)]
+    lines += ["", "## Post-hoc EMA (MP arm, final step): FD of reconstructed EMAs", "",
+              "| seed | " + " | ".join(f"sr={sr}" for sr in SWEEP) + " |", "|---|" + "---|" * len(SWEEP)]
     for s, r in report["phema"].items():
-        lines.append(f"| {s} | " + " | ".join(f"{r['fd_vs_sigma_rel'][sr]:.3g}" for sr in SWEEP)
-                     + f" | {r['fd_tracked_0.10']:.3g} | {r['fd_reconstructed_0.10']:.3g} | "
-                       f"{r['heldout_rel_l2']:.2e} |")
+        lines.append(f"| {s} | " + " | ".join(f"{r['fd_vs_sigma_rel'][sr]:.3g}" for sr in SWEEP) + " |")
+    lines += ["", f"## Held out: reconstructed from the sigma_rel {BASIS[0]} and {BASIS[1]} snapshots alone, "
+              "against the directly tracked EMA", "",
+              "| seed | sigma_rel | kind | rel. L2 of weights | FD tracked | FD reconstructed |",
+              "|---|---|---|---|---|---|"]
+    for s, r in report["phema"].items():
+        for sr, c in r["heldout"].items():
+            lines.append(f"| {s} | {sr} | {c['kind']} | {c['rel_l2']:.2e} | {c['fd_tracked']:.3g} | "
+                         f"{c['fd_reconstructed']:.3g} |")
     lines += ["", "![magnitudes](magnitudes.png)", "", "![post-hoc EMA sweep](phema_sweep.png)", ""]
     atomic_write_text(out / "edm2_study.md", "\n".join(lines))
     print("\n".join(lines))
