@@ -84,14 +84,14 @@ def twin_runs(steps: int = 50, depth: int = 12, width: int = 128, kappa: float =
     opt_org = torch.optim.AdamW(groups_org, lr=lr, betas=(0.99, 0.999))
     sde = build_formulation(cfg_cs.diffusion)
     gen = torch.Generator().manual_seed(seed)
-    probe_x = ds.data[:16].to(dtype)
+    probe_x = ds.items_range(0, 16).to(dtype)
     probe_t = torch.linspace(0.05, 0.95, 16, dtype=dtype)
     probe_noise = torch.randn(probe_x.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
     losses = []
     warmup = max(1, steps // 5)
     for step in range(steps):
         idx = torch.randint(0, len(ds), (batch,), generator=gen)
-        x0 = ds.data[idx].to(dtype)
+        x0 = ds.items(idx).to(dtype)
         t = sde.sample_t(batch, gen, x0.device).to(dtype)
         noise = torch.randn(x0.shape, generator=gen, dtype=dtype)
         pair = []

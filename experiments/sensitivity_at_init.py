@@ -100,7 +100,7 @@ def main() -> None:
             done[p["depth"], p["method"], p["init"]] = p
     cfg = load_config(CONFIG)
     ds = load_dataset(cfg.data)
-    x0 = ds.data[:2].clone()
+    x0 = ds.items_range(0, 2).clone()
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(7))
     t0 = time.perf_counter()
     todo = [(d, m, i) for d in args.depths for i in range(args.inits) for m in METHODS if (d, m, i) not in done]

@@ -75,14 +75,14 @@ def assert_one_line(e: pytest.ExceptionInfo) -> str:
 def test_fashion_mnist_from_debian_dir(monkeypatch):
     monkeypatch.delenv("STEADYDIFF_DATA", raising=False)
     train = load_dataset(DataConfig(name="fashion_mnist", split="train"))
-    assert train.data.shape == (60000, 1, 28, 28) and train.data.dtype == torch.float32
+    assert train.data.shape == (60000, 1, 28, 28) and train.data.dtype == torch.uint8  # 4x less RAM than floats
     assert train.sample_shape == (1, 28, 28) and len(train) == 60000
-    assert train.data.min() == -1.0 and train.data.max() == 1.0
+    assert train.items_range(0, 1000).min() == -1.0 and train.items_range(0, 1000).max() == 1.0
     assert train.labels is not None and train.labels.dtype == torch.int64
     assert train.num_classes == 10 and torch.equal(train.labels.bincount(), torch.full((10,), 6000))
     # x / 127.5 - 1 of the raw bytes, first image
     raw = fm.parse_idx(fm.read_payload(fm.DEBIAN_DIR / "train-images-idx3-ubyte.gz"), Path("x"), 3)
-    assert torch.equal(train.data[0, 0], torch.from_numpy(raw[0].astype(np.float32)) / 127.5 - 1)
+    assert torch.equal(train.items(torch.tensor([0]))[0, 0], torch.from_numpy(raw[0].astype(np.float32)) / 127.5 - 1)
 
     test = load_dataset(DataConfig(name="fashion_mnist", split="test", max_items=1234))
     assert test.data.shape == (1234, 1, 28, 28) and test.labels.shape == (1234,)
@@ -103,7 +103,7 @@ def test_fashion_lookup_honours_steadydiff_data(tmp_path, monkeypatch, subdir):
         ds = load_dataset(DataConfig(name="fashion_mnist", split=split))
         assert ds.data.shape == (5, 1, 28, 28) and ds.labels.tolist() == [0, 1, 2, 3, 4]
         expected = torch.from_numpy(arrays[split].astype(np.float32))[:, None] / 127.5 - 1
-        assert torch.equal(ds.data, expected)
+        assert torch.equal(ds.items_range(0, len(ds)), expected)
 
 
 def test_fashion_root_wins_and_is_strict(tmp_path, monkeypatch):
@@ -255,13 +255,14 @@ def make_tree(root: Path) -> None:
 def test_folder_labelled(tmp_path):
     make_tree(tmp_path / "imgs")
     ds = load_dataset(DataConfig(name="folder", root=str(tmp_path / "imgs"), resolution=8, labels=True))
-    assert ds.data.shape == (4, 3, 8, 8) and ds.data.dtype == torch.float32
+    assert ds.data.shape == (4, 3, 8, 8) and ds.data.dtype == torch.uint8
+    x = ds.items_range(0, 4)
     assert ds.labels.tolist() == [0, 0, 1, 1] and ds.num_classes == 2 and ds.class_names == ["cats", "dogs"]
-    assert ds.data.min() >= -1 and ds.data.max() <= 1
-    assert torch.allclose(ds.data[0].mean((1, 2)), torch.tensor([1.0, -1.0, -1.0]), atol=0.02)  # red
-    assert torch.allclose(ds.data[1].mean((1, 2)), torch.tensor([-1.0, -1.0, 1.0]), atol=0.05)  # blue jpeg
-    assert torch.equal(ds.data[2], torch.full((3, 8, 8), -1.0))  # black grayscale, replicated
-    assert torch.allclose(ds.data[3].mean((1, 2)), torch.tensor([-1.0, 1.0, -1.0]), atol=0.02)  # green
+    assert x.min() >= -1 and x.max() <= 1
+    assert torch.allclose(x[0].mean((1, 2)), torch.tensor([1.0, -1.0, -1.0]), atol=0.02)  # red
+    assert torch.allclose(x[1].mean((1, 2)), torch.tensor([-1.0, -1.0, 1.0]), atol=0.05)  # blue jpeg
+    assert torch.equal(x[2], torch.full((3, 8, 8), -1.0))  # black grayscale, replicated
+    assert torch.allclose(x[3].mean((1, 2)), torch.tensor([-1.0, 1.0, -1.0]), atol=0.02)  # green
 
 
 def test_folder_unlabelled_recursive_and_grayscale(tmp_path):
@@ -284,7 +285,7 @@ def test_folder_centre_crop(tmp_path):
     ds = load_dataset(DataConfig(name="folder", root=str(tmp_path / "im"), resolution=10))
     expected = torch.full((10, 10), -1.0)
     expected[:, 5:] = 1.0  # columns 5..14 of the original
-    assert torch.equal(ds.data[0, 0], expected)
+    assert torch.equal(ds.items_range(0, 1)[0, 0], expected)
 
 
 def test_folder_errors(tmp_path):
@@ -390,3 +391,24 @@ def test_get_batch_without_hflip_and_points():
     assert x.shape == (2, 2) and y is None
     with pytest.raises(DataError, match="hflip=false"):
         get_batch(pts, torch.tensor([1, 2]), hflip=True, generator=None)
+
+
+def test_uint8_images_read_as_the_floats_they_replace():
+    """Images are held as uint8 and converted per batch by x / 127.5 - 1: batches, and the content digest
+    (the cache key of reference statistics and trained classifiers), equal those of the float32 tensor."""
+    from steadydiff.metrics.features import tensor_digest
+
+    u8 = torch.randint(0, 256, (37, 3, 5, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    floats = u8.to(torch.float32) / 127.5 - 1
+    a = ArrayDataset(u8, torch.arange(37) % 2, 2, "u8")
+    b = ArrayDataset(floats, torch.arange(37) % 2, 2, "f32")
+    idx = torch.tensor([36, 0, 5, 5])
+    gen = torch.Generator().manual_seed(3)
+    xa, _ = get_batch(a, idx, hflip=True, generator=gen)
+    xb, _ = get_batch(b, idx, hflip=True, generator=torch.Generator().manual_seed(3))
+    assert xa.dtype == torch.float32 and torch.equal(xa, xb)
+    assert torch.equal(a.items_range(3, 9), floats[3:9])
+    assert a.digest() == b.digest() == tensor_digest(floats)
+    assert a.truncate(4).digest() == tensor_digest(floats[:4])
+    with pytest.raises(DataError, match="uint8 data must be images"):
+        ArrayDataset(torch.zeros(4, 2, dtype=torch.uint8), None, 0, "pts")

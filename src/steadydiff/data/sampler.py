@@ -67,8 +67,8 @@ def get_batch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x, labels) for `indices`; with `hflip`, each image is mirrored left-right with probability 0.5, the
     coin flips drawn from `generator` (one per image, in batch order)."""
-    idx = indices.to(device=ds.data.device, dtype=torch.int64)
-    x = ds.data.index_select(0, idx)
+    idx = indices.to(dtype=torch.int64)
+    x = ds.items(idx)
     labels = None if ds.labels is None else ds.labels.index_select(0, idx.to(ds.labels.device))
     if hflip:
         if x.dim() != 4:

@@ -104,7 +104,7 @@ class ProbeBatch:
         g = torch.Generator().manual_seed(seed)
         ds = trainer.dataset
         idx = torch.randperm(len(ds), generator=g)[:size]
-        x0 = ds.data[idx].clone()
+        x0 = ds.items(idx).clone()
         labels = ds.labels[idx].clone() if (ds.labels is not None and trainer.cfg.model.num_classes) else None
         t = trainer.diffusion.sample_t(len(idx), generator=g, device="cpu")
         noise = torch.randn(x0.shape, generator=g)

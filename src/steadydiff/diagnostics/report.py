@@ -42,7 +42,7 @@ def _fixed_batch(ds, n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(len(ds), generator=g)[:n]
     labels = ds.labels[idx] if ds.labels is not None else None
-    return ds.data[idx], labels
+    return ds.items(idx), labels
 
 
 def _sensitivity(model, sde, x0, labels, num_classes: int, method: str = "ratio") -> dict[str, float]:

@@ -99,7 +99,7 @@ class ValidationSet:
                               f"validation source); set diagnostics.val_size <= {len(ds)}")
         g = torch.Generator().manual_seed(seed)
         idx = torch.randperm(len(ds), generator=g)[:size]
-        x0 = ds.data[idx].clone()
+        x0 = ds.items(idx).clone()
         labels = ds.labels[idx].clone() if (ds.labels is not None and trainer.cfg.model.num_classes) else None
         bins = torch.arange(size, dtype=torch.int64) % num_bins
         u = torch.rand(size, generator=g, dtype=torch.float64)

@@ -45,7 +45,7 @@ class EvalContext:
     def real(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed + 1)
         idx = torch.randperm(len(self.dataset), generator=g)[: self.n]
-        return self.dataset.data[idx]
+        return self.dataset.items(idx)
 
     def extractor(self, name: str):
         from .features import get_extractor

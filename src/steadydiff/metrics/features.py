@@ -437,7 +437,7 @@ def evaluate_classifier(model: SmallCNN, ds: ArrayDataset, batch_size: int = 100
     model.eval()
     correct = 0
     for i in range(0, len(ds), batch_size):
-        pred = model(ds.data[i : i + batch_size]).argmax(dim=1)
+        pred = model(ds.items_range(i, i + batch_size)).argmax(dim=1)
         correct += int((pred == ds.labels[i : i + batch_size]).sum())
     return correct / max(len(ds), 1)
 
@@ -455,8 +455,8 @@ def train_classifier(
     train, test = load_classifier_data(recipe) if data is None else data
     if train.labels is None or test.labels is None:
         raise ExtractorError(f"classifier training needs labelled data, {train.name} has no labels")
-    if tuple(train.data.shape[1:]) != (1, CLASSIFIER_SIZE, CLASSIFIER_SIZE):
-        raise ExtractorError(f"classifier training needs (N, 1, 28, 28) images, got {tuple(train.data.shape)}")
+    if train.sample_shape != (1, CLASSIFIER_SIZE, CLASSIFIER_SIZE):
+        raise ExtractorError(f"classifier training needs (N, 1, 28, 28) images, got {train.sample_shape}")
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
@@ -471,7 +471,7 @@ def train_classifier(
         total = 0.0
         for i in range(steps_per_epoch):
             idx = perm[i * bs : (i + 1) * bs]
-            loss = F.cross_entropy(model(train.data[idx]), train.labels[idx])
+            loss = F.cross_entropy(model(train.items(idx)), train.labels[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -501,7 +501,9 @@ class ClassifierExtractor(FeatureExtractor):
         self.dim = recipe.hidden
         self.device = torch.device(device)
         data = load_classifier_data(recipe)
-        self.data_hash = tensor_digest(data[0].data, data[0].labels, data[1].data, data[1].labels)
+        # Hashed as float32, as before datasets held uint8: trained classifiers in the cache stay valid.
+        self.data_hash = tensor_digest(data[0].items_range(0, len(data[0])), data[0].labels,
+                                       data[1].items_range(0, len(data[1])), data[1].labels)
         self.key = recipe_key(recipe, self.data_hash)
         cache = Path(cache_dir) if cache_dir is not None else extractor_cache_dir()
         self.path = cache / f"{self.name}-{CLASSIFIER_ARCH}-{self.key}.safetensors"

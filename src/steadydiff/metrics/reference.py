@@ -26,7 +26,7 @@ from ..config import DataConfig
 from ..data import load_dataset
 from ..utils.io import atomic_write
 from .distances import gaussian_stats
-from .features import FeatureExtractor, get_extractor, tensor_digest
+from .features import FeatureExtractor, get_extractor
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +109,12 @@ def reference_stats(
     cfg = DataConfig(name=dataset) if isinstance(dataset, str) else dataset
     cfg = dataclasses.replace(cfg, split=split)
     ds = load_dataset(cfg).truncate(n)
-    if ds.data.ndim != 4:
-        raise ValueError(f"dataset {cfg.name} holds {tuple(ds.data.shape[1:])} samples, not images")
+    if len(ds.sample_shape) != 3:
+        raise ValueError(f"dataset {cfg.name} holds {ds.sample_shape} samples, not images")
     if isinstance(extractor, str):
         extractor = get_extractor(extractor, device)
     count = len(ds)
-    data_hash = tensor_digest(ds.data)
+    data_hash = ds.digest()
     key = {"dataset": cfg.name, "split": split, "n": count, "extractor_id": extractor.id, "data_hash": data_hash}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else reference_cache_dir()
@@ -130,7 +130,7 @@ def reference_stats(
     chunk = max(batch_size, 1024)
     feats = []
     for i in range(0, count, chunk):
-        feats.append(extractor.features(ds.data[i : i + chunk], batch_size=batch_size))
+        feats.append(extractor.features(ds.items_range(i, i + chunk), batch_size=batch_size))
         log.info("reference features: %d/%d", min(i + chunk, count), count)
     mu, sigma = gaussian_stats(torch.cat(feats))
     stats = {"mu": mu, "sigma": sigma, **{k: key[k] for k in ("n", "extractor_id", "data_hash", "dataset", "split")}}

@@ -309,7 +309,7 @@ class Trainer:
     def _write_samples(self) -> None:
         t = self.cfg.train
         x = self.sample(t.sample_n, t.sample_sampler, t.sample_steps, seed=t.seed)
-        ref = self.dataset.data if x.ndim == 2 else None
+        ref = self.dataset.items_range(0, len(self.dataset)) if x.ndim == 2 else None  # toy points
         save_samples(x, self.run_dir / "samples" / f"step-{self.step:07d}.png", reference=ref)
 
     def _log_record(self, n_img: int, dt: float) -> dict[str, Any]:
