@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema | compare.
+"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema | compare | dataset.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
 `steadydiff: error: ...` that names the fix, and a non-zero exit status.
@@ -359,6 +359,23 @@ def build_parser() -> argparse.ArgumentParser:
     ph.add_argument("--out", required=True, help="directory for one sampleable run directory per sigma_rel")
     ph.set_defaults(func=_cmd_phema)
 
+    ds = sub.add_parser("dataset", help="build, describe or verify a dataset store (uint8 shards, memory-mapped)")
+    dsub = ds.add_subparsers(dest="action", required=True)
+    db = dsub.add_parser("build", help="build a store from an image folder, .zip, .npz/.npy, fashion_mnist or hf:NAME")
+    db.add_argument("src", help="image folder, .zip, .npz/.npy, fashion_mnist[:test], or hf:NAME[:SPLIT]")
+    db.add_argument("--out", required=True, help="store directory to create (re-run to continue a killed build)")
+    db.add_argument("--resolution", type=_count, help="resize + centre-crop to RxR (required for image files)")
+    db.add_argument("--labels", action="store_true", help="keep class labels (sub-folders, or the labels array)")
+    db.add_argument("--shard-size", type=_count, default=10_000, help="images per shard file (default 10000)")
+    db.add_argument("--workers", type=int, default=None, help="decoding processes (default: min(8, CPUs); 0: none)")
+    db.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping")
+    db.add_argument("--quiet", action="store_true")
+    db.set_defaults(func=_cmd_dataset)
+    for name, what in (("info", "describe a store"), ("verify", "re-hash every file of a store")):
+        dp = dsub.add_parser(name, help=what)
+        dp.add_argument("store", help="store directory")
+        dp.set_defaults(func=_cmd_dataset)
+
     cm = sub.add_parser("compare", help="run an experiment (arms x seeds) and judge its claims on paired seeds")
     cm.add_argument("experiment", help="experiment YAML, e.g. experiments/scalelong-unet.yaml")
     cm.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
@@ -372,6 +389,25 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--quiet", action="store_true")
     cm.set_defaults(func=_cmd_compare)
     return p
+
+
+def _cmd_dataset(args: argparse.Namespace) -> int:
+    from .data import build_store, store_info, verify_store
+
+    if args.action == "build":
+        if args.workers is not None and args.workers < 0:
+            raise ConfigError(f"--workers must be >= 0, got {args.workers}")
+        meta = build_store(args.src, args.out, args.resolution, args.labels, args.shard_size, args.workers,
+                           args.strict, progress=not args.quiet)
+        skipped = f"; skipped {meta['skipped']} unreadable image(s)" if meta["skipped"] else ""
+        print(f"built {args.out}: {meta['count']} images{skipped}")
+        print(store_info(args.out))
+    elif args.action == "info":
+        print(store_info(args.store))
+    else:
+        res = verify_store(args.store, progress=True)
+        print(f"{args.store}: {res['files']} files verified, {res['count']} images")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,15 +35,16 @@ def _positive(section: str, **values: float | None) -> None:
 
 @dataclass
 class DataConfig:
-    name: Literal["fashion_mnist", "toy2d", "folder"] = "fashion_mnist"
+    name: Literal["fashion_mnist", "toy2d", "folder", "store"] = "fashion_mnist"
     split: Literal["train", "test"] = "train"
     resolution: int = 28  # images: side length; must match the dataset (folder data is resized to it)
-    root: str | None = None  # folder dataset root, or an explicit directory holding the Fashion-MNIST idx files
+    root: str | None = None  # folder root, store directory, or a directory holding the Fashion-MNIST idx files
     labels: bool = False  # folder: class labels from sub-folder names
     hflip: bool = False  # random horizontal flip
     toy: Literal["8gaussians", "swissroll", "checkerboard"] = "8gaussians"
     toy_size: int = 20000  # number of toy2d points
     max_items: int | None = None  # use only the first N items (quick runs, tests)
+    cache: Literal["none", "ram"] = "none"  # store: read batches from the memory-mapped shards, or load it to RAM
 
     def check(self) -> None:
         _positive("data", resolution=self.resolution, toy_size=self.toy_size)
@@ -51,6 +52,9 @@ class DataConfig:
             raise ConfigError(f"data.max_items: must be >= 1 or null (all items), got {self.max_items}")
         if self.name == "folder" and not self.root:
             raise ConfigError("data.root: the folder dataset needs data.root=PATH/TO/IMAGES")
+        if self.name == "store" and not self.root:
+            raise ConfigError("data.root: the store dataset needs data.root=PATH/TO/STORE (built by "
+                              "`steadydiff dataset build`)")
 
 
 @dataclass

@@ -1,17 +1,21 @@
-"""Datasets held in memory, a resumable infinite index stream, and batch assembly.
+"""Datasets (in memory, or memory-mapped stores of any size), a resumable infinite index stream, and batch
+assembly.
 
-    ds = load_dataset(cfg.data)                      # ArrayDataset: data, labels, num_classes, name
+    ds = load_dataset(cfg.data)                      # ArrayDataset or StoreDataset: items, labels, num_classes
+    build_store("photos/", "stores/photos", resolution=64)   # `steadydiff dataset build`
     sampler = InfiniteSampler(len(ds), seed=cfg.train.seed)
     x, y = get_batch(ds, sampler.indices(step * batch, batch), cfg.data.hflip, generator)
 
 Every failure is a `DataError` whose message is one line naming the fix.
 """
 
-from .base import ArrayDataset, DataError
+from .base import ArrayDataset, DataError, to_unit_range
+from .build import build_store, open_source, store_info
 from .datasets import DATASET_NAMES, load_dataset
 from .fashion_mnist import load_fashion_mnist
 from .folder import load_folder
 from .sampler import InfiniteSampler, get_batch
+from .store import StoreDataset, open_store, read_index, verify_store
 from .toy2d import TOY_KINDS, load_toy2d, make_toy2d
 
 __all__ = [
@@ -20,10 +24,18 @@ __all__ = [
     "ArrayDataset",
     "DataError",
     "InfiniteSampler",
+    "StoreDataset",
+    "build_store",
     "get_batch",
     "load_dataset",
     "load_fashion_mnist",
     "load_folder",
     "load_toy2d",
     "make_toy2d",
+    "open_source",
+    "open_store",
+    "read_index",
+    "store_info",
+    "to_unit_range",
+    "verify_store",
 ]

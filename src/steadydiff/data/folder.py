@@ -1,7 +1,8 @@
 """An image folder (PNG, JPEG, BMP, and WebP when Pillow supports it), loaded whole into memory.
 
-Every image is decoded once at load time and kept as float32 (N, C, R, R), so memory is N * C * R * R * 4
-bytes: fine for the small datasets this toolkit trains on, not for ImageNet-sized folders.
+Every image is decoded once at load time and kept as uint8 (N, C, R, R), so memory is N * C * R * R bytes:
+fine for folders of up to a few hundred thousand small images. For larger ones build a store once
+(`steadydiff dataset build FOLDER --out STORE --resolution R`, the same rules) and train with data.name=store.
 
 Rules:
 - Files are found recursively under `data.root` (hidden files and folders skipped) and ordered by their
@@ -89,8 +90,9 @@ def _resize_crop(img: Image.Image, resolution: int) -> Image.Image:
     return img.crop((left, top, left + resolution, top + resolution))
 
 
-def _load_one(path: Path, resolution: int) -> tuple[np.ndarray, bool]:
-    """(uint8 array (R, R) for grayscale or (R, R, 3) for colour, is_gray)."""
+def _load_one(path, resolution: int, name: str | None = None) -> tuple[np.ndarray, bool]:
+    """(uint8 array (R, R) for grayscale or (R, R, 3) for colour, is_gray) of an image file or file object;
+    `name` is what errors call it (default: the path)."""
     try:
         with Image.open(path) as opened:
             opened.load()
@@ -103,7 +105,7 @@ def _load_one(path: Path, resolution: int) -> tuple[np.ndarray, bool]:
         raise
     except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, DecompressionBombError...
         raise DataError(
-            f"image {path} is corrupt or unreadable ({type(e).__name__}: {e}); remove or replace it"
+            f"image {name or path} is corrupt or unreadable ({type(e).__name__}: {e}); remove or replace it"
         ) from e
 
 
