@@ -269,3 +269,45 @@ def test_memory_does_not_grow_with_the_store(tmp_path):
     mapped, in_ram = grow("none"), grow("ram")
     assert mapped < 0.25 * size, (mapped, size)
     assert in_ram > 0.9 * size, (in_ram, size)
+
+
+def test_a_rank_slice_reads_the_rows_and_flips_of_the_whole_batch():
+    from steadydiff.data import ArrayDataset, get_batch
+
+    ds = ArrayDataset(torch.randint(0, 256, (30, 3, 4, 4), dtype=torch.uint8), torch.arange(30) % 3, 3, "u8")
+    idx = torch.randperm(30)[:12]
+    whole, y = get_batch(ds, idx, True, torch.Generator().manual_seed(5))
+    for part in (slice(0, 4), slice(4, 8), slice(8, 12)):
+        x, yk = get_batch(ds, idx, True, torch.Generator().manual_seed(5), keep=part)
+        assert torch.equal(x, whole[part]) and torch.equal(yk, y[part])
+
+
+def test_prefetcher_returns_fn_of_k_in_any_order_and_after_jumps():
+    import threading
+
+    from steadydiff.data import Prefetcher
+
+    seen_threads = set()
+
+    def fn(k):
+        seen_threads.add(threading.current_thread().name)
+        return k * k
+
+    p = Prefetcher(fn, workers=3)
+    assert [p.get(k) for k in range(10)] == [k * k for k in range(10)]
+    assert p.get(50) == 2500 and p.get(51) == 2601 and p.get(3) == 9  # a resume, a jump back
+    assert all(name.startswith("steadydiff-loader") for name in seen_threads)
+    p.close()
+    assert p.get(4) == 16  # restarts after close
+    p.close()
+    assert Prefetcher(fn, workers=0).get(7) == 49
+
+
+def test_loader_workers_do_not_change_the_trajectory(tmp_path):
+    rgb_tree(tmp_path / "imgs", n_per_class=12)
+    base = UVIT + ["data.name=folder", f"data.root={tmp_path / 'imgs'}"]
+    runs = {}
+    for w in (0, 3):
+        Trainer(load_config(None, base + [f"data.workers={w}"]), tmp_path / f"w{w}", show_progress=False).fit()
+        runs[w] = _losses(tmp_path / f"w{w}")
+    assert runs[0] == runs[3] and len(runs[0]) == 6

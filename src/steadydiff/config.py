@@ -44,12 +44,15 @@ class DataConfig:
     toy: Literal["8gaussians", "swissroll", "checkerboard"] = "8gaussians"
     toy_size: int = 20000  # number of toy2d points
     max_items: int | None = None  # use only the first N items (quick runs, tests)
-    cache: Literal["none", "ram"] = "none"  # store: read batches from the memory-mapped shards, or load it to RAM
+    cache: Literal["none", "ram"] = "none"  # store: read batches from the shards on disk, or load it to RAM
+    workers: int = resumable(2)  # threads assembling the next batches ahead of the step (0: in the loop)
 
     def check(self) -> None:
         _positive("data", resolution=self.resolution, toy_size=self.toy_size)
         if self.max_items is not None and self.max_items < 1:
             raise ConfigError(f"data.max_items: must be >= 1 or null (all items), got {self.max_items}")
+        if self.workers < 0:
+            raise ConfigError(f"data.workers: must be >= 0 (0 reads batches in the training loop), got {self.workers}")
         if self.name == "folder" and not self.root:
             raise ConfigError("data.root: the folder dataset needs data.root=PATH/TO/IMAGES")
         if self.name == "store" and not self.root:

@@ -14,6 +14,7 @@ from .build import build_store, open_source, store_info
 from .datasets import DATASET_NAMES, load_dataset
 from .fashion_mnist import load_fashion_mnist
 from .folder import load_folder
+from .loader import Prefetcher
 from .sampler import InfiniteSampler, get_batch
 from .store import StoreDataset, open_store, read_index, verify_store
 from .toy2d import TOY_KINDS, load_toy2d, make_toy2d
@@ -24,6 +25,7 @@ __all__ = [
     "ArrayDataset",
     "DataError",
     "InfiniteSampler",
+    "Prefetcher",
     "StoreDataset",
     "build_store",
     "get_batch",

@@ -63,20 +63,26 @@ class InfiniteSampler:
 
 
 def get_batch(
-    ds: ArrayDataset, indices: torch.Tensor, hflip: bool, generator: torch.Generator | None
+    ds: ArrayDataset, indices: torch.Tensor, hflip: bool, generator: torch.Generator | None,
+    keep: slice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x, labels) for `indices`; with `hflip`, each image is mirrored left-right with probability 0.5, the
-    coin flips drawn from `generator` (one per image, in batch order)."""
+    coin flips drawn from `generator` (one per image of the whole batch, in batch order). `keep` reads only
+    that slice of the batch (a DDP rank's share): the same rows, flipped the same way, as slicing the whole."""
     idx = indices.to(dtype=torch.int64)
+    keep = keep if keep is not None else slice(None)
+    flips = None
+    if hflip and ds.is_image:
+        device = generator.device if generator is not None else torch.device("cpu")
+        flips = torch.rand(len(idx), generator=generator, device=device)[keep] < 0.5
+    idx = idx[keep]
     x = ds.items(idx)
     labels = None if ds.labels is None else ds.labels.index_select(0, idx.to(ds.labels.device))
     if hflip:
-        if x.dim() != 4:
+        if flips is None:
             raise DataError(
                 f"data.hflip applies to images only, but {ds.name} has samples of shape {ds.sample_shape}; "
                 "set data.hflip=false"
             )
-        device = generator.device if generator is not None else torch.device("cpu")
-        flip = torch.rand(x.shape[0], generator=generator, device=device) < 0.5
-        x = torch.where(flip.to(x.device)[:, None, None, None], x.flip(-1), x)
+        x = torch.where(flips.to(x.device)[:, None, None, None], x.flip(-1), x)
     return x, labels

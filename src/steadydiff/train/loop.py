@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from .. import runs
 from ..config import Config, ConfigError, dump_config
-from ..data import InfiniteSampler, get_batch, load_dataset
+from ..data import InfiniteSampler, Prefetcher, get_batch, load_dataset
 from ..diagnostics.monitors import Monitor, build_monitors
 from ..diffusion import build_formulation, check_sampler, generate
 from ..nn import build_model
@@ -99,6 +99,7 @@ class Trainer:
         with dist_utils.local_main_first(self.dist):  # a first run may download the data: once per node
             self.dataset = load_dataset(cfg.data)
         self.sampler = InfiniteSampler(len(self.dataset), seed=t.seed)
+        self.loader = Prefetcher(self._read_batch, cfg.data.workers)
         if cfg.model.num_classes and cfg.model.num_classes != self.dataset.num_classes:
             raise ConfigError(
                 f"model.num_classes={cfg.model.num_classes} but the dataset has {self.dataset.num_classes} "
@@ -140,7 +141,10 @@ class Trainer:
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if t.bf16 else nullcontext
 
     def close(self) -> None:
-        """Leave the process group if this trainer created it (`steadydiff train` does this at the end)."""
+        """Stop the loader threads; leave the process group if this trainer created it (`steadydiff train`
+        does this at the end)."""
+        if hasattr(self, "loader"):  # also called when __init__ failed before building it
+            self.loader.close()
         dist_utils.shutdown_distributed(self.dist)
 
     def _build_monitors(self) -> list[Monitor]:
@@ -181,20 +185,33 @@ class Trainer:
         """Step k's batch: this rank's slice of (x, labels, levels, noise, loss weights), and the global
         batch's levels. The whole global batch is drawn on every rank, in the single-process order (levels,
         then noise), so the step does not depend on the number of processes."""
-        t, rank, world = self.cfg.train, self.dist.rank, self.dist.world_size
+        t = self.cfg.train
         gen = step_generator(t.seed, k, stream=0, device=self.device)
-        idx = self.sampler.indices(k * t.batch_size, t.batch_size)
-        x, labels = get_batch(self.dataset, idx, self.cfg.data.hflip, step_generator(t.seed, k, stream=1))
+        x, labels = self.loader.get(k)  # this rank's rows, read ahead by the loader threads
         levels = self.timesteps.sample(t.batch_size, k, gen, self.device)
         weights = self.timesteps.weights(levels, k)
-        noise = draw_normal(x.shape, gen, self.device, dtype=x.dtype)
-        sl = slice(rank * t.batch_size // world, (rank + 1) * t.batch_size // world)
-        x = x[sl].to(self.device, non_blocking=True)
-        labels = labels[sl].to(self.device) if (labels is not None and self.cfg.model.num_classes) else None
+        noise = draw_normal((t.batch_size, *x.shape[1:]), gen, self.device, dtype=x.dtype)
+        sl = self._rank_slice()
+        x = x.to(self.device, non_blocking=True)
+        labels = labels.to(self.device) if (labels is not None and self.cfg.model.num_classes) else None
         noise = noise[sl]
         if t.channels_last and x.dim() == 4:
             x, noise = (v.contiguous(memory_format=torch.channels_last) for v in (x, noise))
         return x, labels, levels[sl], noise, None if weights is None else weights[sl], levels
+
+    def _rank_slice(self) -> slice:
+        b, rank, world = self.cfg.train.batch_size, self.dist.rank, self.dist.world_size
+        return slice(rank * b // world, (rank + 1) * b // world)
+
+    def _read_batch(self, k: int):
+        """This rank's rows of step k's global batch (a pure function of (seed, k): safe to read ahead)."""
+        t = self.cfg.train
+        idx = self.sampler.indices(k * t.batch_size, t.batch_size)
+        x, labels = get_batch(self.dataset, idx, self.cfg.data.hflip, step_generator(t.seed, k, stream=1),
+                              keep=self._rank_slice())
+        if self.device.type == "cuda":
+            x = x.pin_memory()  # so that the copy to the GPU can overlap the step
+        return x, labels
 
     def _forward_backward(self, k: int, x, labels, levels, noise, weights) -> torch.Tensor:
         """Accumulate the gradient of the batch-mean (weighted) loss over train.grad_accum micro-batches;
@@ -379,6 +396,7 @@ class Trainer:
                     log.write({"step": self.step, **self.evaluate()})
                     log.flush()
         bar.close()
+        self.loader.close()  # nothing more to read ahead
         if self._last_saved != self.step:  # decided from state every rank shares: save is collective
             self.save()
         if main:
