@@ -195,8 +195,8 @@ def _array_source(images: np.ndarray, labels: np.ndarray | None, class_names: li
 
 
 def _npz_source(path: Path, resolution: int | None, labels: bool) -> Source:
-    try:
-        loaded = np.load(path, allow_pickle=False)
+    try:  # a .npy is memory-mapped: arrays larger than RAM build too
+        loaded = np.load(path, allow_pickle=False, mmap_mode="r" if path.suffix.lower() == ".npy" else None)
     except (OSError, ValueError) as e:
         raise DataError(f"{path} is not a readable .npy/.npz file ({e}); check the file") from e
     if isinstance(loaded, np.ndarray):
