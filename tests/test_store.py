@@ -4,7 +4,9 @@ and memory does not grow with the store."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -311,3 +313,53 @@ def test_loader_workers_do_not_change_the_trajectory(tmp_path):
         Trainer(load_config(None, base + [f"data.workers={w}"]), tmp_path / f"w{w}", show_progress=False).fit()
         runs[w] = _losses(tmp_path / f"w{w}")
     assert runs[0] == runs[3] and len(runs[0]) == 6
+
+
+def _cifar_tar(path: Path, n: int = 4) -> dict:
+    import pickle
+    import tarfile
+
+    g = np.random.default_rng(2)
+    batches = {}
+    with tarfile.open(path, "w:gz") as tar:
+        def add(name, obj):
+            data = pickle.dumps(obj, protocol=2)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            batches[name] = {b"data": g.integers(0, 256, (n, 3072), dtype=np.uint8),
+                             b"labels": g.integers(0, 10, n).tolist()}
+            add(name, batches[name])
+        add("batches.meta", {b"label_names": [f"c{i}".encode() for i in range(10)]})
+    return batches
+
+
+def test_cifar10_archive_store(tmp_path):
+    batches = _cifar_tar(tmp_path / "cifar-10-python.tar.gz")
+    build_store(str(tmp_path / "cifar-10-python.tar.gz"), tmp_path / "tr", labels=True, progress=False)
+    build_store(f"cifar10-test:{tmp_path / 'cifar-10-python.tar.gz'}", tmp_path / "te", labels=True, progress=False)
+    tr, te = open_store(tmp_path / "tr"), open_store(tmp_path / "te")
+    assert len(tr) == 20 and len(te) == 4 and tr.sample_shape == (3, 32, 32) and tr.class_names[3] == "c3"
+    first = batches["data_batch_1"][b"data"][0].reshape(3, 32, 32)  # CIFAR rows are channel planes
+    assert torch.equal(tr.items(torch.tensor([0]))[0], torch.from_numpy(first).float() / 127.5 - 1)
+    assert te.labels.tolist() == batches["test_batch"][b"labels"]
+
+
+def test_an_archive_pickle_cannot_run_code(tmp_path):
+    import pickle
+    import tarfile
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    with tarfile.open(tmp_path / "evil.tar.gz", "w:gz") as tar:
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]:
+            data = pickle.dumps(Evil())
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(DataError, match="not allowed in a dataset archive"):
+        build_store(str(tmp_path / "evil.tar.gz"), tmp_path / "st", progress=False)
+    assert not (tmp_path / "pwned").exists()

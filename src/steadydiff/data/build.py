@@ -7,6 +7,8 @@ Sources (`open_source`):
     a .npz / .npy file   uint8 images (N, H, W) or (N, H, W, C); in a .npz the images are the array named
                          images / x / arr_0 (or the only array) and the labels labels / y, if present
     fashion_mnist[:test] the built-in Fashion-MNIST (train split unless :test)
+    cifar-10-python.tar.gz  the CIFAR-10 archive as downloaded from https://www.cs.toronto.edu/~kriz/ (train
+                         split: data_batch_1..5; `cifar10-test:PATH` for test_batch), labels and class names
     hf:NAME[:SPLIT]      a Hugging Face `datasets` dataset (an optional extra: pip install datasets), its
                          image column `image` or `img`, labels from `label` / `labels` when asked for
 
@@ -229,6 +231,53 @@ def _fashion_source(spec: str, resolution: int | None, labels: bool) -> Source:
     return _array_source(imgs, y, ds.class_names if labels else None, resolution, f"fashion_mnist/{split}")
 
 
+CIFAR10_MEMBERS = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+
+
+class _ArchiveUnpickler:
+    """CIFAR's batches are Python pickles of a dict of bytes, lists and NumPy arrays; unpickle them allowing
+    only those types (an archive is data, not code)."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+
+    @classmethod
+    def load(cls, data: bytes) -> Any:
+        import pickle
+
+        allowed = cls.ALLOWED
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module: str, name: str):
+                if (module, name) not in allowed:
+                    raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a dataset archive")
+                return super().find_class(module, name)
+
+        return Restricted(io.BytesIO(data), encoding="bytes").load()
+
+
+def _cifar10_source(path: Path, split: str, resolution: int | None, labels: bool) -> Source:
+    import pickle
+    import tarfile
+
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            by_name = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+            missing = [n for n in CIFAR10_MEMBERS[split] + ["batches.meta"] if n not in by_name]
+            if missing:
+                raise DataError(f"{path} is not the CIFAR-10 python archive (no {missing[0]}); download "
+                                "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html")
+            batches = [_ArchiveUnpickler.load(tar.extractfile(by_name[n]).read()) for n in CIFAR10_MEMBERS[split]]
+            meta = _ArchiveUnpickler.load(tar.extractfile(by_name["batches.meta"]).read())
+    except (OSError, tarfile.TarError, pickle.UnpicklingError, EOFError) as e:
+        raise DataError(f"{path} is not a readable CIFAR-10 archive ({e}); download it again") from e
+    images = np.concatenate([b[b"data"] for b in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    y = np.concatenate([np.asarray(b[b"labels"], dtype=np.int64) for b in batches])
+    names = [n.decode() for n in meta[b"label_names"]]
+    return _array_source(np.ascontiguousarray(images, dtype=np.uint8), y if labels else None,
+                         names if labels else None, resolution, f"cifar10/{split} {path}")
+
+
 def _hf_source(spec: str, resolution: int | None, labels: bool) -> Source:
     try:
         import datasets  # optional extra
@@ -273,6 +322,8 @@ def open_source(src: str, resolution: int | None = None, labels: bool = False, p
         return _fashion_source(src, resolution, labels)
     if src.startswith("hf:"):
         return _hf_source(src, resolution, labels)
+    if src.startswith("cifar10-test:"):
+        return _cifar10_source(Path(src.split(":", 1)[1]).expanduser(), "test", resolution, labels)
     path = Path(src).expanduser()
     if path.is_dir():
         return _folder_source(path, resolution, labels, pool)
@@ -280,12 +331,14 @@ def open_source(src: str, resolution: int | None = None, labels: bool = False, p
         raise DataError(f"source {src} does not exist; give an image folder, a .zip, a .npz/.npy file, "
                         "fashion_mnist or hf:NAME")
     suffix = path.suffix.lower()
+    if path.name.endswith((".tar.gz", ".tgz", ".tar")):
+        return _cifar10_source(path, "train", resolution, labels)
     if suffix == ".zip":
         return _zip_source(path, resolution, labels, pool)
     if suffix in (".npz", ".npy"):
         return _npz_source(path, resolution, labels)
     raise DataError(f"source {src}: unknown kind {suffix or '(no suffix)'}; give an image folder, a .zip, a "
-                    ".npz/.npy file, fashion_mnist or hf:NAME")
+                    ".npz/.npy file, cifar-10-python.tar.gz, fashion_mnist or hf:NAME")
 
 
 # ------------------------------------------------------------------------------------------------------------
