@@ -89,6 +89,21 @@ def world(tmp_path_factory):
     w = next((r / "corruptrun" / "checkpoints").glob("step-*")) / "model.safetensors"
     w.write_bytes(w.read_bytes()[:40])
     (r / "notuvit.pth").write_bytes(b"")  # placeholder output path that must stay untouched
+    # Dataset stores: a good one, one with a truncated shard, one with a flipped bit, one of a newer format,
+    # and an unfinished build.
+    for name in ("store", "truncstore", "flipstore", "newstore"):
+        assert main(["dataset", "build", str(img / "gray"), "--out", str(r / name), "--resolution", "16",
+                     "--workers", "0", "--quiet"]) == 0
+    shard = r / "truncstore" / "shard-00000.npy"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    shard = r / "flipstore" / "shard-00000.npy"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    index = r / "newstore" / "dataset.json"
+    index.write_text(index.read_text().replace('"version": 1', '"version": 7'))
+    (r / "halfstore.partial").mkdir()
+    (r / "halfstore.partial" / "progress.json").write_text("{}")
     return r
 
 
@@ -207,6 +222,31 @@ DATA_CASES = [
                                         *sets("data.name=fashion_mnist", "data.resolution=32")], "data.resolution=28"),
 ]
 
+STORE = sets("data.name=store")
+STORE_CASES = [
+    C("store-truncated-shard", ["train", "--out", "{R}/new", *SMALL_UNET, *STORE, *sets("data.root={R}/truncstore")],
+      "run `steadydiff dataset verify"),
+    C("store-checksum-mismatch", ["dataset", "verify", "{R}/flipstore"], "fails its checksum"),
+    C("store-newer-format", ["train", "--out", "{R}/new", *SMALL_UNET, *STORE, *sets("data.root={R}/newstore")],
+      "upgrade steadydiff"),
+    C("store-unfinished-build", ["train", "--out", "{R}/new", *SMALL_UNET, *STORE,
+                                 *sets("data.root={R}/halfstore")], "re-run the same `steadydiff dataset build`"),
+    C("store-missing", ["train", "--out", "{R}/new", *SMALL_UNET, *STORE, *sets("data.root={R}/nostore")],
+      "build a store with `steadydiff dataset build"),
+    C("store-wrong-resolution", ["train", "--out", "{R}/new", *SMALL_UNET, *STORE,
+                                 *sets("data.root={R}/store", "data.resolution=8")], "set data.resolution=16"),
+    C("store-labels-absent", ["train", "--out", "{R}/new", *SMALL_UNET, *STORE,
+                              *sets("data.root={R}/store", "data.labels=true")], "rebuild it with --labels"),
+    C("store-build-over-complete", ["dataset", "build", "{R}/img/gray", "--out", "{R}/store", "--resolution", "16"],
+      "choose another --out"),
+    C("store-build-empty-source", ["dataset", "build", "{R}/img/empty", "--out", "{R}/new", "--resolution", "16"],
+      "add images or fix SRC"),
+    C("store-build-unreadable-strict", ["dataset", "build", "{R}/img/corrupt", "--out", "{R}/new", "--resolution",
+                                        "16", "--workers", "0", "--strict", "--quiet"], "drop --strict to skip"),
+    C("store-build-unknown-source", ["dataset", "build", "{R}/afile.txt", "--out", "{R}/new"],
+      "give an image folder, a .zip"),
+]
+
 CLI_CASES = [
     C("sample-missing-run-dir", ["sample", "{R}/nope", "--out", "{R}/x.png"], "pass the --out of a train run"),
     C("sample-dir-without-config", ["sample", "{R}/nocfg", "--out", "{R}/x.png"], "pass the --out of a train run"),
@@ -249,7 +289,7 @@ CLI_CASES = [
       patch=("steadydiff.metrics.features", "INCEPTION_PACKAGE", "steadydiff_no_such_package")),
 ]
 
-CASES = CONFIG_CASES + DATA_CASES + CLI_CASES
+CASES = CONFIG_CASES + DATA_CASES + STORE_CASES + CLI_CASES
 
 
 def test_case_ids_are_unique():  # benchmarks/reliability_report.py counts cases by id
@@ -266,7 +306,8 @@ def test_bad_input_is_one_line_naming_the_fix_and_changes_nothing(case, world, c
         module, attr, value = case.patch
         monkeypatch.setattr(importlib.import_module(module), attr, value)
     before = fingerprint(world)
-    scratch = [world / n for n in ("new", "x.png", "conv", "ph", "diag")]  # outputs a failed command must not create
+    # Outputs a failed command must not create.
+    scratch = [world / n for n in ("new", "new.partial", "x.png", "conv", "ph", "diag")]
     try:
         code = main(_argv(case, world))
         created = [p.name for p in scratch if p.exists()]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import zipfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -392,6 +393,8 @@ def build_store(src: str, out: str | Path, resolution: int | None = None, labels
             items = list(range(j * shard_size, min((j + 1) * shard_size, source.count)))
             imgs, kept, errors = source.read(items, pool)
             if errors and strict:
+                if not record["shards"]:  # nothing to continue from: leave no trace
+                    shutil.rmtree(stage, ignore_errors=True)
                 raise DataError(f"{errors[0]} (--strict: the build stops at the first unreadable image; drop "
                                 "--strict to skip them)")
             entry: dict[str, Any] = {"file": f"shard-{j:05d}.npy", "count": len(kept),

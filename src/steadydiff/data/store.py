@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,7 +212,8 @@ def verify_store(root: str | Path, progress: bool = False) -> dict[str, Any]:
     meta = read_index(root)
     files = [(e["file"], e["sha256"]) for e in meta["shards"]]
     files += [(e["labels_file"], e["labels_sha256"]) for e in meta["shards"] if meta.get("labels")]
-    for name, want in tqdm(files, desc="verify", unit="file", disable=not progress):
+    # The bar only on a terminal: on a log or a pipe an error must stay the one line it is.
+    for name, want in tqdm(files, desc="verify", unit="file", disable=not (progress and sys.stderr.isatty())):
         path = root / name
         if not path.is_file():
             raise DataError(f"store file {path} is missing; rebuild the store with `steadydiff dataset build`")
