@@ -40,6 +40,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RES = 64
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def make_array(path: Path, n: int, seed: int) -> None:
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(n, RES, RES, 3))
     g = np.random.default_rng(seed)
@@ -118,8 +128,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     res: dict = {"command": "PYTHONPATH=src python benchmarks/data_scale.py " + " ".join(sys.argv[1:]),
-                 "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                            f"torch {torch.__version__}",
+                 "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     stores = {}
     for name, n in (("large", args.n_large), ("small", args.n_small)):
