@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -32,22 +31,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from steadydiff.config import load_config
-from steadydiff.data import Prefetcher, build_store, get_batch, load_dataset
-from steadydiff.train import Trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import cpu_name  # noqa: E402  (a sibling script, not a package)
+
+from steadydiff.config import load_config  # noqa: E402
+from steadydiff.data import Prefetcher, build_store, get_batch, load_dataset  # noqa: E402
+from steadydiff.train import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RES = 64
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_array(path: Path, n: int, seed: int) -> None:
@@ -128,7 +120,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     res: dict = {"command": "PYTHONPATH=src python benchmarks/data_scale.py " + " ".join(sys.argv[1:]),
-                 "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+                 "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     stores = {}
     for name, n in (("large", args.n_large), ("small", args.n_small)):
