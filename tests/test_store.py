@@ -363,3 +363,24 @@ def test_an_archive_pickle_cannot_run_code(tmp_path):
     with pytest.raises(DataError, match="not allowed in a dataset archive"):
         build_store(str(tmp_path / "evil.tar.gz"), tmp_path / "st", progress=False)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_hugging_face_source_equals_the_same_images_as_a_folder(tmp_path, monkeypatch):
+    """hf:NAME goes through `datasets.load_dataset` (an optional extra; this test needs it installed). A local
+    parquet dataset stands in for the hub: no network."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rgb_tree(tmp_path / "imgs", n_per_class=3)
+    files = sorted((tmp_path / "imgs").rglob("*.png"))
+    images = [Image.open(f).convert("RGB") for f in files]
+    labels = [0 if f.parent.name == "ants" else 1 for f in files]
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["ants", "bees"])})
+    (tmp_path / "hf" / "data").mkdir(parents=True)
+    datasets.Dataset.from_dict({"image": images, "label": labels}, features=feats).to_parquet(
+        str(tmp_path / "hf" / "data" / "train-00000-of-00001.parquet"))
+    build_store(f"hf:{tmp_path / 'hf'}", tmp_path / "a", resolution=8, labels=True, progress=False)
+    build_store(str(tmp_path / "imgs"), tmp_path / "b", resolution=8, labels=True, workers=0, progress=False)
+    a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    assert torch.equal(floats(a), floats(b)) and torch.equal(a.labels, b.labels)
+    assert a.class_names == b.class_names == ["ants", "bees"]
