@@ -384,3 +384,26 @@ def test_hugging_face_source_equals_the_same_images_as_a_folder(tmp_path, monkey
     a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
     assert torch.equal(floats(a), floats(b)) and torch.equal(a.labels, b.labels)
     assert a.class_names == b.class_names == ["ants", "bees"]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_two_processes_on_a_store_match_one_process(tmp_path):
+    """torchrun --nproc_per_node=2 (gloo): each rank reads only its rows of the store (flips drawn for the
+    whole batch), and the run matches one process to float32 round-off of the split gradient sum."""
+    import os
+
+    import steadydiff
+
+    rgb_tree(tmp_path / "imgs", n_per_class=12)
+    build_store(str(tmp_path / "imgs"), tmp_path / "st", resolution=8, shard_size=5, workers=0, progress=False)
+    sets = UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}", "train.steps=4"]
+    Trainer(load_config(None, sets), tmp_path / "one", show_progress=False).fit()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(steadydiff.__file__).parents[1])}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "steadydiff.cli", "train", "--out", str(tmp_path / "two"), "--quiet",
+                           *[a for s in sets for a in ("--set", s)]], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(one) == 4 and two == pytest.approx(one, rel=1e-5)
