@@ -149,7 +149,7 @@ def test_missing_dataset_via_the_installed_entry_point(tmp_path):
         f.write(b"not an idx file")
     proc = subprocess.run(
         [sys.executable, "-m", "steadydiff.cli", "train", "--out", str(tmp_path / "run"), "--quiet",
-         "--set", f"data.root={bad_idx}"], capture_output=True, text=True, timeout=120,
+         "--set", f"data.root={bad_idx}"], capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == EXIT_USER_ERROR
     assert len(proc.stderr.strip().splitlines()) == 1 and "error" in proc.stderr
