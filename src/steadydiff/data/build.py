@@ -10,7 +10,9 @@ Sources (`open_source`):
     cifar-10-python.tar.gz  the CIFAR-10 archive as downloaded from https://www.cs.toronto.edu/~kriz/ (train
                          split: data_batch_1..5; `cifar10-test:PATH` for test_batch), labels and class names
     hf:NAME[:SPLIT]      a Hugging Face `datasets` dataset (an optional extra: pip install datasets), its
-                         image column `image` or `img`, labels from `label` / `labels` when asked for
+                         image column `image` or `img`, labels from `label` / `labels` when asked for; its
+                         channels (1 if all grayscale, else 3) are decided from the first 64 images, since
+                         reading every image's mode would decode the whole dataset twice
 
 Images are decoded in `workers` processes, `shard_size` at a time. Every finished shard is recorded in
 STORE.partial/progress.json, so that a killed build, re-run with the same arguments, continues from the next
@@ -23,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import shutil
 import zipfile
 from collections.abc import Callable, Sequence
@@ -235,30 +238,24 @@ def _fashion_source(spec: str, resolution: int | None, labels: bool) -> Source:
 CIFAR10_MEMBERS = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
 
 
-class _ArchiveUnpickler:
+class _ArchiveUnpickler(pickle.Unpickler):
     """CIFAR's batches are Python pickles of a dict of bytes, lists and NumPy arrays; unpickle them allowing
     only those types (an archive is data, not code)."""
 
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a dataset archive")
+        return super().find_class(module, name)
+
     @classmethod
-    def load(cls, data: bytes) -> Any:
-        import pickle
-
-        allowed = cls.ALLOWED
-
-        class Restricted(pickle.Unpickler):
-            def find_class(self, module: str, name: str):
-                if (module, name) not in allowed:
-                    raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a dataset archive")
-                return super().find_class(module, name)
-
-        return Restricted(io.BytesIO(data), encoding="bytes").load()
+    def load_bytes(cls, data: bytes) -> Any:
+        return cls(io.BytesIO(data), encoding="bytes").load()
 
 
 def _cifar10_source(path: Path, split: str, resolution: int | None, labels: bool) -> Source:
-    import pickle
     import tarfile
 
     try:
@@ -268,8 +265,8 @@ def _cifar10_source(path: Path, split: str, resolution: int | None, labels: bool
             if missing:
                 raise DataError(f"{path} is not the CIFAR-10 python archive (no {missing[0]}); download "
                                 "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html")
-            batches = [_ArchiveUnpickler.load(tar.extractfile(by_name[n]).read()) for n in CIFAR10_MEMBERS[split]]
-            meta = _ArchiveUnpickler.load(tar.extractfile(by_name["batches.meta"]).read())
+            batches = [_ArchiveUnpickler.load_bytes(tar.extractfile(by_name[n]).read()) for n in CIFAR10_MEMBERS[split]]
+            meta = _ArchiveUnpickler.load_bytes(tar.extractfile(by_name["batches.meta"]).read())
     except (OSError, tarfile.TarError, pickle.UnpicklingError, EOFError) as e:
         raise DataError(f"{path} is not a readable CIFAR-10 archive ({e}); download it again") from e
     images = np.concatenate([b[b"data"] for b in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)

@@ -1,10 +1,10 @@
-"""A dataset store: uint8 image shards on disk, memory-mapped, so that memory does not grow with the dataset.
+"""A dataset store: uint8 image shards on disk, read row by row, so that memory does not grow with the dataset.
 
 Layout of a store directory (written by `steadydiff dataset build`, see `data/build.py`):
 
     dataset.json             format, version, count, shape (C, H, W), labels, class names, source, resize rule,
                              and per shard: file names, item count and SHA-256 of each file
-    shard-00000.npy          uint8 (n_0, C, H, W), NumPy .npy (memory-mapped when read)
+    shard-00000.npy          uint8 (n_0, C, H, W), NumPy .npy
     shard-00000.labels.npy   int64 (n_0,), only when the store has labels
     ...
 
