@@ -74,6 +74,12 @@ def world(tmp_path_factory):
     assert main(["train", "--out", str(r / "imgrun"), "--quiet", "--set", "data.name=folder",
                  "--set", f"data.root={img / 'gray'}", *SMALL_UNET]) == 0
     _png(img / "shape" / "2-colour.png", mode="RGB")
+    # A class-conditional run trained with label dropout (two classes): what guidance needs.
+    for c in ("a", "b"):
+        _png(img / "classes" / c / "0.png", value=60 if c == "a" else 200)
+    assert main(["train", "--out", str(r / "condrun"), "--quiet", "--set", "data.name=folder",
+                 "--set", "data.labels=true", "--set", f"data.root={img / 'classes'}", "--set", "model.num_classes=2",
+                 "--set", "model.label_dropout=0.2", *SMALL_UNET]) == 0
     (r / "afile.txt").write_text("a file, not a directory")
     cfg = r / "cfg"
     cfg.mkdir()
@@ -289,7 +295,35 @@ CLI_CASES = [
       patch=("steadydiff.metrics.features", "INCEPTION_PACKAGE", "steadydiff_no_such_package")),
 ]
 
-CASES = CONFIG_CASES + DATA_CASES + STORE_CASES + CLI_CASES
+GUIDANCE_CASES = [
+    C("guidance-unconditional-model", ["sample", "{R}/imgrun", "--guidance", "2", "--out", "{R}/x.png"],
+      "needs a class-conditional model trained with label dropout"),
+    C("guidance-negative", ["sample", "{R}/condrun", "--guidance=-1", "--out", "{R}/x.png"], "must be >= 0"),
+    C("guidance-not-a-number", ["sample", "{R}/condrun", "--guidance", "strong", "--out", "{R}/x.png"],
+      "--guidance 2 or --guidance 1,1.5,2,3"),
+    C("guidance-sweep-in-sample", ["sample", "{R}/condrun", "--guidance", "1,2", "--out", "{R}/x.png"],
+      "sweep with steadydiff eval"),
+    C("guidance-interval-reversed", ["sample", "{R}/condrun", "--guidance", "2", "--guidance-interval", "3,1",
+                                     "--out", "{R}/x.png"], "need 0 <= LO <= HI"),
+    C("guide-other-shape", ["sample", "{R}/condrun", "--guide", "{R}/run", "--guidance", "2", "--out", "{R}/x.png"],
+      "autoguidance needs a weaker model of the same task"),
+    C("guide-other-classes", ["sample", "{R}/condrun", "--guide", "{R}/imgrun", "--guidance", "2",
+                              "--out", "{R}/x.png"], "autoguidance needs a weaker model of the same task"),
+    C("guide-missing-run", ["sample", "{R}/condrun", "--guide", "{R}/nope", "--out", "{R}/x.png"],
+      "pass the --out of a train run"),
+    C("class-on-unconditional", ["sample", "{R}/imgrun", "--class", "1", "--out", "{R}/x.png"], "drop --class"),
+    C("class-out-of-range", ["sample", "{R}/condrun", "--class", "5", "--out", "{R}/x.png"], "classes 0..1"),
+    C("class-acc-unconditional", ["eval", "{R}/imgrun", "--metric", "class_acc", "--n", "2", "--steps", "1",
+                                  "--out", "{R}/x.png"], "class-conditional"),
+    C("guidance-eval-unconditional", ["eval", "{R}/imgrun", "--metric", "fid", "--guidance", "1,2", "--n", "2",
+                                      "--out", "{R}/x.png"], "needs a class-conditional model"),
+    C("label-dropout-unconditional", ["train", "--out", "{R}/new", *TOY, *sets("model.label_dropout=0.1")],
+      "set model.num_classes"),
+    C("label-dropout-out-of-range", ["train", "--out", "{R}/new", *TOY, *sets("model.label_dropout=1")],
+      "must be in [0, 1)"),
+]
+
+CASES = CONFIG_CASES + DATA_CASES + STORE_CASES + CLI_CASES + GUIDANCE_CASES
 
 
 def test_case_ids_are_unique():  # benchmarks/reliability_report.py counts cases by id

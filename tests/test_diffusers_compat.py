@@ -94,3 +94,29 @@ def test_ls_ns_trains_with_the_steadydiff_trainer_and_saves(tmp_path):
 def test_rejects_non_unets():
     with pytest.raises(TypeError, match="not a diffusers UNet"):
         apply_skip_scaling(torch.nn.Linear(2, 2), "cs")
+
+
+def test_adapter_null_label_zeroes_the_class_embedding():
+    """steadydiff's null label (what label dropout trains, what classifier-free guidance queries) on a diffusers
+    UNet: the class embedding's contribution is zero, as in steadydiff's own backbones."""
+    from steadydiff.nn import NULL_LABEL
+    from steadydiff.nn.diffusers_compat import DiffusersUNetAdapter
+
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(
+        sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
+        norm_num_groups=4, down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+        num_class_embeds=3,
+    )
+    with torch.no_grad():
+        for p in unet.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model = DiffusersUNetAdapter(unet).eval()
+    x, t = torch.randn(3, 1, 8, 8), torch.tensor([10.0, 300.0, 900.0])
+    with torch.no_grad():
+        mixed = model(x, t, torch.tensor([NULL_LABEL, 2, NULL_LABEL]))
+        with_class = model(x, t, torch.tensor([1, 2, 1]))
+        unet.class_embedding.weight[1].zero_()  # the reference: class 1 with its embedding removed by hand
+        ref = model(x, t, torch.tensor([1, 2, 1]))
+    assert not torch.equal(mixed, with_class)
+    torch.testing.assert_close(mixed, ref, rtol=0, atol=0)

@@ -57,6 +57,62 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _guidance_weights(text: str) -> list[float]:
+    """--guidance: one weight, or a comma-separated sweep (eval); each >= 0."""
+    try:
+        ws = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--guidance {text}: give numbers, e.g. --guidance 2 or --guidance 1,1.5,2,3") from None
+    if not ws or any(not w >= 0 for w in ws):
+        raise ConfigError(f"--guidance {text}: weights must be >= 0 (1 = no guidance), e.g. --guidance 1,1.5,2,3")
+    return ws
+
+
+def _guidance_interval(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--guidance-interval {text}: give two noise levels LO,HI, e.g. 0.28,2.9") from None
+    if not 0 <= lo <= hi:
+        raise ConfigError(f"--guidance-interval {text}: need 0 <= LO <= HI (sigma), e.g. 0.28,2.9")
+    return lo, hi
+
+
+def _check_guidance(m, args, weights: list[float]):
+    """Validate --class, --guidance and --guide against the loaded run `m`; returns the guide model (or None)."""
+    from .runs import load_model
+
+    classes = m.cfg.model.num_classes
+    if args.class_label is not None and not 0 <= args.class_label < max(classes, 1):
+        raise ConfigError(f"--class {args.class_label}: " + (
+            f"this model has classes 0..{classes - 1}" if classes else
+            "this model is unconditional (model.num_classes=0); drop --class"))
+    if args.guide is None:
+        if any(w != 1 for w in weights) and not (classes and m.cfg.model.label_dropout > 0):
+            raise ConfigError("--guidance needs a class-conditional model trained with label dropout "
+                              "(model.num_classes > 0 and model.label_dropout > 0, e.g. 0.1); or guide with a weaker "
+                              "model: --guide RUN")
+        return None
+    guide = load_model(args.guide, use_ema=not args.no_ema)
+    for what, a, b in (("diffusion settings", m.cfg.diffusion, guide.cfg.diffusion),
+                       ("sample shape", m.sample_shape, guide.sample_shape),
+                       ("model.num_classes", classes, guide.cfg.model.num_classes)):
+        if a != b:
+            raise ConfigError(f"--guide {args.guide}: its {what} ({b}) differ from the run's ({a}); autoguidance needs "
+                              "a weaker model of the same task (same data, formulation and classes)")
+    return guide.model
+
+
+def _guided(model, guide, formulation, weight: float, interval):
+    from .diffusion import Guided
+
+    if weight == 1 and guide is None:
+        return model
+    return Guided(model, weight, guide=guide, interval=interval, sigma_of=formulation.sigma_of_input)
+
+
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
@@ -71,13 +127,21 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'samples.png'}")
+    weights = _guidance_weights(args.guidance)
+    if len(weights) != 1:
+        raise ConfigError(f"--guidance {args.guidance}: sample takes one weight; sweep with steadydiff eval")
+    weight = weights[0]
+    guide = _check_guidance(m, args, [weight])
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    x = generate(m.model.to(device), m.formulation, m.sample_shape, args.n, sampler, args.steps, args.seed, device,
-                 m.cfg.model.num_classes, clip=not args.no_clip)
+    model = _guided(m.model.to(device), None if guide is None else guide.to(device), m.formulation, weight,
+                    _guidance_interval(args.guidance_interval))
+    x = generate(model, m.formulation, m.sample_shape, args.n, sampler, args.steps, args.seed, device,
+                 m.cfg.model.num_classes, clip=not args.no_clip, class_label=args.class_label)
     save_samples(x, out)
-    print(f"wrote {args.n} samples (step {m.step}, {m.weights} weights, {sampler}) to {out}")
+    how = f", guidance {weight:g}" + (f" by {args.guide}" if guide is not None else "") if weight != 1 else ""
+    print(f"wrote {args.n} samples (step {m.step}, {m.weights} weights, {sampler}{how}) to {out}")
     return 0
 
 
@@ -90,7 +154,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from .data import load_dataset
     from .diffusion import check_sampler
-    from .metrics.evaluate import evaluate, parse_metrics
+    from .metrics.evaluate import evaluate, parse_metrics, plot_guidance_sweep
     from .runs import load_model
     from .utils.device import pick_device
     from .utils.distributed import init_distributed, local_main_first, shutdown_distributed
@@ -104,20 +168,33 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
     sampler = args.sampler or cfg.train.sample_sampler
     check_sampler(m.formulation.kind, sampler)
+    weights = _guidance_weights(args.guidance)
+    interval = _guidance_interval(args.guidance_interval)
+    guide = _check_guidance(m, args, weights)
     if args.threads:
         torch.set_num_threads(args.threads)
     info, device = init_distributed(pick_device(args.device))
     try:
         with local_main_first(info):  # a first run may download the data: once per node
             dataset = load_dataset(cfg.data)
-        res = evaluate(m.model.to(device), m.formulation, cfg, dataset, metrics, args.n, sampler, args.steps, args.seed,
-                       device, clip=not args.no_clip, ref_n=args.ref_n, batch=args.batch, dist_info=info)
+        model, guide = m.model.to(device), None if guide is None else guide.to(device)
+        results = [evaluate(_guided(model, guide, m.formulation, w, interval), m.formulation, cfg, dataset, metrics,
+                            args.n, sampler, args.steps, args.seed, device, clip=not args.no_clip, ref_n=args.ref_n,
+                            batch=args.batch, dist_info=info, class_label=args.class_label) for w in weights]
         if info.is_main:
             record = {"step": m.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
                       "batch": args.batch, "weights": "raw" if args.no_ema else "ema", "ref_n": args.ref_n,
-                      "processes": info.world_size, "metrics": res}
+                      "processes": info.world_size, "class": args.class_label, "guide": args.guide,
+                      "guidance_interval": interval}
+            if len(weights) == 1:
+                record.update(guidance=weights[0], metrics=results[0])
+            else:  # a sweep: the metrics against the weight, and their plot beside the JSON
+                record["sweep"] = [{"guidance": w, "metrics": r} for w, r in zip(weights, results)]
+                plot_guidance_sweep(record["sweep"], out.with_suffix(".png"))
             atomic_write_text(out, json.dumps(record, indent=2) + "\n")
-            print(" ".join(f"{k}={v:.5g}" for k, v in res.items()) + f"  -> {out}")
+            for w, res in zip(weights, results):
+                tag = f"guidance={w:g} " if len(weights) > 1 or w != 1 else ""
+                print(tag + " ".join(f"{k}={v:.5g}" for k, v in res.items()) + f"  -> {out}")
     finally:
         shutdown_distributed(info)
     return 0
@@ -312,9 +389,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-clip", action="store_true", help="do not keep image estimates in [-1, 1] while sampling")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--threads", type=_count, default=None)
+    s.add_argument("--guidance", default="1", metavar="W",
+                   help="guidance weight (1: none; >1: stronger): classifier-free with a model trained with "
+                   "model.label_dropout, or autoguidance with --guide")
+    s.add_argument("--guidance-interval", metavar="LO,HI",
+                   help="guide only at noise levels sigma in [LO, HI] (Kynkaanniemi et al. 2024)")
+    s.add_argument("--guide", metavar="RUN", help="autoguidance: guide with this weaker model of the same task "
+                   "(a smaller or earlier run): D = D_guide + W (D_main - D_guide)")
+    s.add_argument("--class", dest="class_label", type=int, metavar="C",
+                   help="draw every sample for class C (default: classes cycle over the samples)")
     s.set_defaults(func=_cmd_sample)
 
-    e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, sw, mmd)")
+    e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, "
+                       "class_acc, sw, mmd)")
     e.add_argument("run", help="run directory (or a phema output directory)")
     e.add_argument("--metric", default="fd_fmnist", help="comma-separated metrics, e.g. fd_fmnist,kid,fid")
     e.add_argument("--n", "--num-samples", dest="n", type=_count, default=5000,
@@ -331,6 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="JSON file (default RUN/eval.json)")
     e.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     e.add_argument("--threads", type=_count, default=None)
+    e.add_argument("--guidance", default="1", metavar="W",
+                   help="guidance weight (1: none; >1: stronger): classifier-free with a model trained with "
+                   "model.label_dropout, or autoguidance with --guide; a comma-separated list sweeps it (metrics "
+                   "against W, and a plot)")
+    e.add_argument("--guidance-interval", metavar="LO,HI",
+                   help="guide only at noise levels sigma in [LO, HI] (Kynkaanniemi et al. 2024)")
+    e.add_argument("--guide", metavar="RUN", help="autoguidance: guide with this weaker model of the same task "
+                   "(a smaller or earlier run): D = D_guide + W (D_main - D_guide)")
+    e.add_argument("--class", dest="class_label", type=int, metavar="C",
+                   help="draw every sample for class C (default: classes cycle over the samples)")
     e.set_defaults(func=_cmd_eval)
 
     c = sub.add_parser("convert", help="convert checkpoints from/to the official U-ViT/ScaleLong layout")

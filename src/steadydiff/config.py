@@ -18,7 +18,7 @@ import yaml
 from .utils.errors import ConfigError
 
 # The metric names `train.eval_metrics` accepts: `steadydiff.metrics.METRICS` (a test keeps them equal).
-MetricName = Literal["fd_fmnist", "fid", "kid", "precision", "recall", "sw", "mmd"]
+MetricName = Literal["fd_fmnist", "fid", "kid", "precision", "recall", "class_acc", "class_acc_mnist", "sw", "mmd"]
 
 
 def resumable(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
@@ -74,6 +74,9 @@ class ModelConfig:
     channels_per_head: int = 64  # edm2: attention heads = channels // channels_per_head
     dropout: float = 0.0
     num_classes: int = 0  # > 0: class-conditional (label embedding added to the time embedding)
+    # Classifier-free guidance training (Ho & Salimans 2022): each label is replaced by the null label with this
+    # probability, so one network learns both the conditional and the unconditional denoiser.
+    label_dropout: float = 0.0
     hidden: int = 128  # mlp_unet: width
     depth: int = 12  # uvit, mlp_unet: encoder + decoder blocks; depth // 2 long skips (U-ViT's convention)
     embed_dim: int = 512  # uvit: token width D
@@ -95,6 +98,11 @@ class ModelConfig:
             raise ConfigError(f"model.depth: must be >= 2 (depth // 2 long skips), got {self.depth}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        if not 0 <= self.label_dropout < 1:
+            raise ConfigError(f"model.label_dropout: must be in [0, 1), got {self.label_dropout}")
+        if self.label_dropout and self.num_classes <= 0:
+            raise ConfigError("model.label_dropout needs a class-conditional model: set model.num_classes "
+                              "(and data with labels)")
         if not self.channel_mult:
             raise ConfigError("model.channel_mult: must list at least one level, e.g. [1, 2, 2]")
 

@@ -8,7 +8,8 @@ A formulation owns the loss, the noise levels, the preconditioning wrapper (`wra
 from ..utils.errors import ConfigError
 from ..utils.rng import draw_normal, draw_uniform
 from .edm import EDMFormulation, EDMPrecond, sample_euler, sample_heun
-from .generate import generate, generate_chunks, merge_chunks
+from .generate import generate, generate_chunks, merge_chunks, sample_labels
+from .guidance import Guided
 from .samplers import (
     SAMPLERS,
     EpsFn,
@@ -47,6 +48,7 @@ __all__ = [
     "EDMFormulation",
     "EDMPrecond",
     "FORMULATIONS",
+    "Guided",
     "SAMPLERS",
     "SAMPLER_NAMES",
     "VPSDE",
@@ -64,6 +66,7 @@ __all__ = [
     "sample_dpmpp2m",
     "sample_em",
     "sample_euler",
+    "sample_labels",
     "sample_heun",
     "time_grid",
 ]

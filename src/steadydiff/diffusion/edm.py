@@ -107,6 +107,10 @@ class EDMFormulation:
         return cls(cfg.sigma_data, cfg.p_mean, cfg.p_std, cfg.sigma_min, cfg.sigma_max, cfg.rho,
                    cfg.learn_uncertainty)
 
+    def sigma_of_input(self, sigma: Tensor) -> Tensor:
+        """The sampler calls the denoiser with sigma itself (the level a guidance interval is given in)."""
+        return torch.as_tensor(sigma)
+
     def wrap(self, net: nn.Module) -> EDMPrecond:
         return EDMPrecond(net, self.sigma_data, self.learn_uncertainty)
 

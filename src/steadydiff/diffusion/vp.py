@@ -134,6 +134,12 @@ class VPSDE:
         """The time the network sees: 999 t."""
         return self.time_scale * t
 
+    def sigma_of_input(self, model_time: Tensor) -> Tensor:
+        """The noise-to-signal ratio sigma(t) / alpha(t) at the network's time input 999 t (the EDM sigma of
+        x_t / alpha(t) = x0 + sigma / alpha eps): the level a guidance interval is given in."""
+        alpha, sigma = self.alpha_sigma(torch.as_tensor(model_time) / self.time_scale)
+        return sigma / alpha
+
     def wrap(self, net: nn.Module) -> nn.Module:
         """The trained module: the backbone itself (it predicts eps directly)."""
         return net

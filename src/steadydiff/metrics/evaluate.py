@@ -7,6 +7,8 @@ Metrics (one sample set is drawn and shared by all requested metrics):
     kid         KID (unbiased, cubic kernel) on the fmnist classifier features vs n real training images
     precision / recall   improved precision and recall (k = 3) on the fmnist classifier features
     sw / mmd    sliced Wasserstein distance and RBF MMD^2 on raw points (toy2d)
+    class_acc   class-conditional models: the fraction of samples the Fashion-MNIST classifier assigns to the
+                class they were drawn for (class_acc_mnist: the MNIST classifier); what guidance should raise
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import torch
 
 from .distances import frechet_distance, gaussian_stats, kid, mmd_rbf, precision_recall, sliced_wasserstein
 
-IMAGE_METRICS = ("fd_fmnist", "fid", "kid", "precision", "recall")
+IMAGE_METRICS = ("fd_fmnist", "fid", "kid", "precision", "recall", "class_acc", "class_acc_mnist")
 POINT_METRICS = ("sw", "mmd")
 METRICS = IMAGE_METRICS + POINT_METRICS
 # What each metric needs of the generated set: features of an extractor, or the raw samples (SAMPLES).
 SAMPLES = "samples"
+LOGITS = ":logits"  # suffix: the classifier's logits instead of its features
 NEEDS = {"fd_fmnist": "fmnist", "fid": "inception", "kid": "fmnist", "precision": "fmnist", "recall": "fmnist",
-         "sw": SAMPLES, "mmd": SAMPLES}
+         "sw": SAMPLES, "mmd": SAMPLES, "class_acc": "fmnist" + LOGITS, "class_acc_mnist": "mnist" + LOGITS}
+CLASS_METRICS = ("class_acc", "class_acc_mnist")
 
 
 class EvalContext:
@@ -32,9 +36,10 @@ class EvalContext:
     themselves for point data), the real data, and reference statistics (computed lazily)."""
 
     def __init__(self, fake: dict[str, torch.Tensor], dataset, data_cfg, n: int, seed: int, device,
-                 ref_n: int | None):
+                 ref_n: int | None, labels: torch.Tensor | None = None):
         self.fake, self.dataset, self.data_cfg, self.n, self.seed, self.device = (
             fake, dataset, data_cfg, n, seed, device)
+        self.labels = labels  # the class each generated sample was drawn for (None: unconditional)
         self.ref_n = ref_n
         self._real_features: dict[str, torch.Tensor] = {}
 
@@ -76,6 +81,11 @@ def _kid(ctx: EvalContext) -> float:
     return kid(a, b, subsets=50, subset_size=min(1000, len(a), len(b)), seed=ctx.seed)[0]
 
 
+def _class_acc(ctx: EvalContext, classifier: str) -> float:
+    logits = ctx.fake[classifier + LOGITS]
+    return (logits.argmax(dim=1) == ctx.labels.cpu()).double().mean().item()
+
+
 METRIC_FNS: dict[str, Callable[[EvalContext], float]] = {
     "fd_fmnist": lambda ctx: ctx.fd("fmnist"),
     "fid": lambda ctx: ctx.fd("inception"),
@@ -84,6 +94,8 @@ METRIC_FNS: dict[str, Callable[[EvalContext], float]] = {
     "recall": lambda ctx: _pr(ctx)[1],
     "sw": lambda ctx: sliced_wasserstein(ctx.samples, ctx.real(), generator=torch.Generator().manual_seed(0)),
     "mmd": lambda ctx: mmd_rbf(ctx.samples, ctx.real()),
+    "class_acc": lambda ctx: _class_acc(ctx, "fmnist"),
+    "class_acc_mnist": lambda ctx: _class_acc(ctx, "mnist"),
 }
 
 
@@ -102,7 +114,8 @@ def parse_metrics(text: str | list[str], sample_ndim: int | None = None) -> list
 
 def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampler: str, steps: int,
              seed: int = 0, device: torch.device | str = "cpu", clip: bool = True,
-             ref_n: int | None = None, batch: int = 256, dist_info=None) -> dict[str, Any]:
+             ref_n: int | None = None, batch: int = 256, dist_info=None,
+             class_label: int | None = None) -> dict[str, Any]:
     """Draw `n` samples once (in chunks of `batch`, see `generate_chunks`) and compute every metric on them.
     Returns {metric: value, ...}.
 
@@ -114,30 +127,56 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
     its share of the chunks and extracts their features, rank 0 gathers them and returns the metrics, the
     other ranks return {}. The samples, and so the metrics, are those of a single-process call.
     """
-    from ..diffusion.generate import generate_chunks, merge_chunks
+    from ..diffusion.generate import generate_chunks, merge_chunks, sample_labels
     from ..utils.distributed import DistInfo, gather_to_main, local_main_first
     from .features import get_extractor
 
     info = dist_info if dist_info is not None else DistInfo()
     metrics = parse_metrics(metrics, len(dataset.sample_shape))
-    if any(NEEDS[m] == "fmnist" for m in metrics):
+    if any(m in CLASS_METRICS for m in metrics) and not cfg.model.num_classes:
+        raise ValueError("class_acc scores class-conditional models; this model has model.num_classes=0")
+    if any(NEEDS[m].split(":")[0] in ("fmnist", "mnist") for m in metrics):
         if dataset.sample_shape[0] != 1 or dataset.sample_shape[1:] != (28, 28):
             raise ValueError("fd_fmnist/kid/precision/recall use the 28x28 grayscale Fashion-MNIST classifier; "
                              "use --metric fid for other image data")
     chunks = generate_chunks(model, formulation, dataset.sample_shape, n, sampler, steps, seed, device,
                              cfg.model.num_classes, batch=batch, clip=clip, rank=info.rank,
-                             world_size=info.world_size)
+                             world_size=info.world_size, class_label=class_label)
     local: dict[str, dict[int, torch.Tensor]] = {}
     for need in dict.fromkeys(NEEDS[m] for m in metrics):  # each extractor once, in a fixed order
         if need == SAMPLES:
             local[need] = chunks
             continue
+        name, logits = need.removesuffix(LOGITS), need.endswith(LOGITS)
         with local_main_first(info):  # a classifier not yet cached is trained once per node, not per process
-            extractor = get_extractor(need, device=device)
-        local[need] = {k: extractor.features(x).cpu() for k, x in chunks.items()}
+            extractor = get_extractor(name, device=device)
+        local[need] = {k: (extractor.logits(x) if logits else extractor.features(x)).cpu() for k, x in chunks.items()}
     parts = gather_to_main(local, info)
     if parts is None:
         return {}
     fake = {need: merge_chunks([part[need] for part in parts]) for need in local}
-    ctx = EvalContext(fake, dataset, cfg.data, n, seed, device, ref_n)
+    ctx = EvalContext(fake, dataset, cfg.data, n, seed, device, ref_n,
+                      sample_labels(0, n, cfg.model.num_classes, class_label))
     return {m: float(METRIC_FNS[m](ctx)) for m in metrics}
+
+
+def plot_guidance_sweep(sweep: list[dict[str, Any]], path) -> None:
+    """One panel per metric against the guidance weight W (`steadydiff eval --guidance 1,1.5,2,3`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..utils.io import atomic_write
+
+    names = list(sweep[0]["metrics"])
+    fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.0), squeeze=False)
+    ws = [r["guidance"] for r in sweep]
+    for ax, name in zip(axes[0], names):
+        ax.plot(ws, [r["metrics"][name] for r in sweep], "o-")
+        ax.set_xlabel("guidance weight W")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+    plt.close(fig)

@@ -571,6 +571,13 @@ class ClassifierExtractor(FeatureExtractor):
     def _forward(self, images: Tensor) -> Tensor:
         return self.model.embed(self.preprocess(images))
 
+    @torch.no_grad()
+    def logits(self, images: Tensor, batch_size: int = 256) -> Tensor:
+        """Class logits (B, num_classes) of [-1, 1] images: what `class_acc` scores samples with."""
+        images = _check_images(images)
+        return torch.cat([self.model(self.preprocess(images[i:i + batch_size].to(self.device))).float().cpu()
+                          for i in range(0, len(images), batch_size)])
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Registry

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .edm2_unet import EDM2UNet
+from .layers import NULL_LABEL
 from .mlp_unet import MLPUNet
 from .skip_scaling import (
     SKIP_SCALING_METHODS,
@@ -91,6 +92,7 @@ def build_model(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
 
 
 __all__ = [
+    "NULL_LABEL",
     "BACKBONES", "EDM2UNet", "SKIP_SCALING_METHODS", "ChannelGate", "ConstantScaling", "LearnedScaling", "MLPUNet",
     "SkipScaling", "TokenGate", "UNet", "UViT", "build_model", "cs_coefficients", "make_skip_scaling",
 ]

@@ -96,4 +96,13 @@ class DiffusersUNetAdapter(nn.Module):
         return getattr(self.unet, "skip_scaling", None)
 
     def forward(self, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
-        return self.unet(x, t, class_labels=labels).sample
+        if labels is None or not bool((labels < 0).any()):
+            return self.unet(x, t, class_labels=labels).sample
+        # NULL_LABEL rows: diffusers has no null class, so zero their class embedding (steadydiff's null label,
+        # nn/layers.py) with a hook on `class_embedding` for this call only.
+        keep = (labels >= 0).unsqueeze(-1)
+        hook = self.unet.class_embedding.register_forward_hook(lambda _m, _a, out: out * keep.to(out.dtype))
+        try:
+            return self.unet(x, t, class_labels=labels.clamp(min=0)).sample
+        finally:
+            hook.remove()

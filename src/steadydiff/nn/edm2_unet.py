@@ -187,7 +187,8 @@ class EDM2UNet(LongSkips, nn.Module):
             if labels.is_floating_point():
                 onehot = labels.reshape(labels.shape[0], -1).to(emb.dtype)
             else:
-                onehot = F.one_hot(labels.reshape(-1).long(), self.label_dim).to(emb.dtype)
+                labels = labels.reshape(-1).long()  # NULL_LABEL (-1): the zero vector, EDM2's label dropout
+                onehot = F.one_hot(labels.clamp(min=0), self.label_dim).to(emb.dtype) * (labels >= 0)[:, None]
             label_emb = self.emb_label(onehot * math.sqrt(self.label_dim))  # one-hot x sqrt(N): unit RMS
             emb = mp_sum(emb, label_emb, self.label_balance)  # Eq. 88, t = 0.5
         return mp_silu(emb)

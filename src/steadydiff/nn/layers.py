@@ -35,6 +35,16 @@ def zero_module(module: nn.Module) -> nn.Module:
     return module
 
 
+NULL_LABEL = -1  # "no class": what label dropout trains and classifier-free guidance's unconditional branch uses
+
+
+def embed_labels(table: nn.Embedding, labels: Tensor) -> Tensor:
+    """Rows of `table` for int labels (B,); NULL_LABEL rows are zero, so the null label adds no label term (as
+    EDM2's label dropout, which zeroes the one-hot vector; Ho & Salimans 2022 train it with probability p)."""
+    keep = labels >= 0
+    return table(labels.clamp(min=0)) * keep.unsqueeze(-1).to(table.weight.dtype)
+
+
 class TimeEmbedding(nn.Module):
     """Sinusoidal features of the model time -> MLP (Linear, SiLU, Linear), plus an optional label embedding."""
 
@@ -49,7 +59,7 @@ class TimeEmbedding(nn.Module):
         if self.label is not None:
             if labels is None:
                 raise ValueError("this model is class-conditional: pass labels (model.num_classes > 0)")
-            emb = emb + self.label(labels)
+            emb = emb + embed_labels(self.label, labels)
         return emb
 
 

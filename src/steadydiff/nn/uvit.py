@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from .layers import timestep_embedding
+from .layers import embed_labels, timestep_embedding
 from .skip_scaling import LongSkips, SkipScaling, TokenGate
 
 
@@ -164,7 +164,7 @@ class UViT(LongSkips, nn.Module):
         if self.label_emb is not None:
             if labels is None:
                 raise ValueError("this U-ViT is class-conditional: pass labels (model.num_classes > 0)")
-            extra.insert(0, self.label_emb(labels).unsqueeze(1))  # token order: [label, time, patches]
+            extra.insert(0, embed_labels(self.label_emb, labels).unsqueeze(1))  # token order: [label, time, patches]
         h = torch.cat([*extra, tokens], dim=1) + self.pos_embed
         skips = []
         for blk in self.in_blocks:

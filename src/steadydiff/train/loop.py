@@ -35,11 +35,11 @@ from ..config import Config, ConfigError, dump_config
 from ..data import InfiniteSampler, Prefetcher, get_batch, load_dataset
 from ..diagnostics.monitors import Monitor, build_monitors
 from ..diffusion import build_formulation, check_sampler, generate
-from ..nn import build_model
+from ..nn import NULL_LABEL, build_model
 from ..utils import distributed as dist_utils
 from ..utils.device import pick_device
 from ..utils.images import save_samples
-from ..utils.rng import draw_normal, step_generator
+from ..utils.rng import draw_normal, draw_uniform, step_generator
 from .ema import EMA
 from .faults import with_faults
 from .flops import flop_report
@@ -194,6 +194,10 @@ class Trainer:
         sl = self._rank_slice()
         x = x.to(self.device, non_blocking=True)
         labels = labels.to(self.device) if (labels is not None and self.cfg.model.num_classes) else None
+        p_drop = self.cfg.model.label_dropout
+        if labels is not None and p_drop > 0:  # drawn for the whole batch after the noise: p = 0 changes nothing
+            drop = draw_uniform((t.batch_size,), gen, self.device)[sl] < p_drop
+            labels = torch.where(drop, torch.full_like(labels, NULL_LABEL), labels)
         noise = noise[sl]
         if t.channels_last and x.dim() == 4:
             x, noise = (v.contiguous(memory_format=torch.channels_last) for v in (x, noise))
