@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,9 @@ def world(tmp_path_factory):
                  "--set", f"data.root={img / 'shape'}", *SMALL_UNET]) == 0
     assert main(["train", "--out", str(r / "imgrun"), "--quiet", "--set", "data.name=folder",
                  "--set", f"data.root={img / 'gray'}", *SMALL_UNET]) == 0
+    assert main(["train", "--out", str(r / "edmrun"), "--quiet", "--set", "data.name=folder", "--set",
+                 "diffusion.kind=edm", "--set", "train.sample_sampler=heun", "--set", f"data.root={img / 'gray'}",
+                 *SMALL_UNET]) == 0
     _png(img / "shape" / "2-colour.png", mode="RGB")
     # A class-conditional run trained with label dropout (two classes): what guidance needs.
     for c in ("a", "b"):
@@ -110,6 +114,25 @@ def world(tmp_path_factory):
     index.write_text(index.read_text().replace('"version": 1', '"version": 7'))
     (r / "halfstore.partial").mkdir()
     (r / "halfstore.partial" / "progress.json").write_text("{}")
+    # Latent diffusion: tiny VAEs (the store's, one of other weights, one of 3 latent channels, one for RGB),
+    # the latent store, a run on it, and a latent store whose VAE record was lost.
+    import diffusers
+    import torch
+
+    for name, seed, lc, ic in (("vae", 0, 4, 1), ("vae_b", 1, 4, 1), ("vae3", 0, 3, 1), ("vae_rgb", 0, 4, 3)):
+        torch.manual_seed(seed)
+        diffusers.AutoencoderKL(in_channels=ic, out_channels=ic, block_out_channels=(8, 16), latent_channels=lc,
+                                down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                                norm_num_groups=4, sample_size=16).save_pretrained(r / name)
+    assert main(["dataset", "encode", str(r / "store"), "--vae", str(r / "vae"), "--out", str(r / "lat"),
+                 "--device", "cpu", "--quiet"]) == 0
+    assert main(["train", "--out", str(r / "latrun"), "--quiet", "--set", "data.name=store",
+                 "--set", f"data.root={r / 'lat'}", *SMALL_UNET]) == 0
+    shutil.copytree(r / "lat", r / "latnometa")
+    index = r / "latnometa" / "dataset.json"
+    meta = json.loads(index.read_text())
+    del meta["latent"]
+    index.write_text(json.dumps(meta))
     return r
 
 
@@ -307,8 +330,8 @@ GUIDANCE_CASES = [
                                      "--out", "{R}/x.png"], "need 0 <= LO <= HI"),
     C("guide-other-shape", ["sample", "{R}/condrun", "--guide", "{R}/run", "--guidance", "2", "--out", "{R}/x.png"],
       "autoguidance needs a weaker model of the same task"),
-    C("guide-other-classes", ["sample", "{R}/condrun", "--guide", "{R}/imgrun", "--guidance", "2",
-                              "--out", "{R}/x.png"], "autoguidance needs a weaker model of the same task"),
+    C("guide-other-formulation", ["sample", "{R}/condrun", "--guide", "{R}/edmrun", "--guidance", "2",
+                                  "--out", "{R}/x.png"], "autoguidance needs a weaker model of the same task"),
     C("guide-missing-run", ["sample", "{R}/condrun", "--guide", "{R}/nope", "--out", "{R}/x.png"],
       "pass the --out of a train run"),
     C("class-on-unconditional", ["sample", "{R}/imgrun", "--class", "1", "--out", "{R}/x.png"], "drop --class"),
@@ -323,7 +346,33 @@ GUIDANCE_CASES = [
       "must be in [0, 1)"),
 ]
 
-CASES = CONFIG_CASES + DATA_CASES + STORE_CASES + CLI_CASES + GUIDANCE_CASES
+LATENT_CASES = [
+    C("latent-vae-other-channels", ["sample", "{R}/latrun", "--vae", "{R}/vae3", "--out", "{R}/x.png"],
+      "decode with the VAE that encoded it"),
+    C("latent-vae-other-weights", ["sample", "{R}/latrun", "--vae", "{R}/vae_b", "--out", "{R}/x.png"],
+      "is not the one that encoded the store"),
+    C("latent-vae-on-an-image-run", ["sample", "{R}/imgrun", "--vae", "{R}/vae", "--out", "{R}/x.png"],
+      "--vae applies to models trained on a latent store"),
+    C("latent-store-without-vae-record", ["train", "--out", "{R}/new", *SMALL_UNET,
+                                          *sets("data.name=store", "data.root={R}/latnometa")],
+      "re-encode it with `steadydiff dataset encode`"),
+    C("latent-hflip", ["train", "--out", "{R}/new", *SMALL_UNET, *sets("data.name=store", "data.root={R}/lat",
+                                                                   "data.hflip=true")], "set data.hflip=false"),
+    C("latent-cache-ram", ["train", "--out", "{R}/new", *SMALL_UNET, *sets("data.name=store", "data.root={R}/lat",
+                                                                       "data.cache=ram")], "set data.cache=none"),
+    C("encode-over-complete-store", ["dataset", "encode", "{R}/store", "--vae", "{R}/vae", "--out", "{R}/lat"],
+      "choose another --out"),
+    C("encode-a-latent-store", ["dataset", "encode", "{R}/lat", "--vae", "{R}/vae", "--out", "{R}/new"],
+      "encode the image store it came from"),
+    C("encode-vae-for-other-channels", ["dataset", "encode", "{R}/store", "--vae", "{R}/vae_rgb", "--out", "{R}/new"],
+      "pick a VAE for this data"),
+    C("encode-vae-not-a-vae", ["dataset", "encode", "{R}/store", "--vae", "{R}/img/gray", "--out", "{R}/new"],
+      "is not a saved AutoencoderKL"),
+    C("encode-vae-missing", ["dataset", "encode", "{R}/store", "--vae", "{R}/no-such-vae", "--out", "{R}/new"],
+      "no such local folder"),
+]
+
+CASES = CONFIG_CASES + DATA_CASES + STORE_CASES + CLI_CASES + GUIDANCE_CASES + LATENT_CASES
 
 
 def test_case_ids_are_unique():  # benchmarks/reliability_report.py counts cases by id

@@ -237,6 +237,12 @@ def test_cli_guided_sample_class_grid_and_eval_sweep(tmp_path, capsys, one_threa
     assert png.stat().st_size > 0 and "guidance 2" in capsys.readouterr().out
     assert main(["sample", str(run), "--n", "4", "--steps", "2", "--guidance", "2", "--guide", str(weak),
                  "--out", str(png)]) == 0
+    # EDM2's classifier-free guidance: an unconditional model (num_classes 0) as the guide
+    uncond = tmp_path / "uncond"
+    sets = [a for o in COND + ["model.num_classes=0", "train.steps=1"] for a in ("--set", o)]
+    assert main(["train", "--config", "configs/demo.yaml", "--out", str(uncond), "--quiet", *sets]) == 0
+    assert main(["sample", str(run), "--n", "4", "--steps", "2", "--guidance", "1.5", "--guide", str(uncond),
+                 "--out", str(png)]) == 0
     out = tmp_path / "sweep.json"
     assert main(["eval", str(run), "--metric", "class_acc,fd_fmnist", "--guidance", "1,2", "--n", "20",
                  "--steps", "2", "--out", str(out)]) == 0

@@ -188,7 +188,7 @@ def test_damaged_stores_are_refused_with_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["data.resolution=16"], "holds 8x8 images but data.resolution=16; set data.resolution=8"),
+    (["data.resolution=16"], "holds images of 8x8 but data.resolution=16; set data.resolution=8"),
     (["data.labels=true"], "has no labels; rebuild it with --labels"),
 ])
 def test_store_config_mismatches_are_one_line_errors(tmp_path, capsys, overrides, needle):

@@ -96,9 +96,10 @@ def _check_guidance(m, args, weights: list[float]):
                               "model: --guide RUN")
         return None
     guide = load_model(args.guide, use_ema=not args.no_ema)
+    # An unconditional guide (num_classes 0) is EDM2's classifier-free guidance; a conditional one, autoguidance.
     for what, a, b in (("diffusion settings", m.cfg.diffusion, guide.cfg.diffusion),
                        ("sample shape", m.sample_shape, guide.sample_shape),
-                       ("model.num_classes", classes, guide.cfg.model.num_classes)):
+                       ("model.num_classes", classes, guide.cfg.model.num_classes or classes)):
         if a != b:
             raise ConfigError(f"--guide {args.guide}: its {what} ({b}) differ from the run's ({a}); autoguidance needs "
                               "a weaker model of the same task (same data, formulation and classes)")
@@ -117,6 +118,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from .diffusion import check_sampler, generate
+    from .diffusion.latent import latent_decoder
     from .runs import load_model
     from .utils.device import pick_device
     from .utils.images import save_samples
@@ -137,8 +139,9 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = _guided(m.model.to(device), None if guide is None else guide.to(device), m.formulation, weight,
                     _guidance_interval(args.guidance_interval))
+    decode = latent_decoder(m.cfg.data, args.vae, device)  # None unless the run trained on a latent store
     x = generate(model, m.formulation, m.sample_shape, args.n, sampler, args.steps, args.seed, device,
-                 m.cfg.model.num_classes, clip=not args.no_clip, class_label=args.class_label)
+                 m.cfg.model.num_classes, clip=not args.no_clip, class_label=args.class_label, decode=decode)
     save_samples(x, out)
     how = f", guidance {weight:g}" + (f" by {args.guide}" if guide is not None else "") if weight != 1 else ""
     print(f"wrote {args.n} samples (step {m.step}, {m.weights} weights, {sampler}{how}) to {out}")
@@ -154,6 +157,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from .data import load_dataset
     from .diffusion import check_sampler
+    from .diffusion.latent import latent_decoder
     from .metrics.evaluate import evaluate, parse_metrics, plot_guidance_sweep
     from .runs import load_model
     from .utils.device import pick_device
@@ -178,9 +182,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         with local_main_first(info):  # a first run may download the data: once per node
             dataset = load_dataset(cfg.data)
         model, guide = m.model.to(device), None if guide is None else guide.to(device)
+        decode = latent_decoder(cfg.data, args.vae, device)  # None unless the run trained on a latent store
         results = [evaluate(_guided(model, guide, m.formulation, w, interval), m.formulation, cfg, dataset, metrics,
                             args.n, sampler, args.steps, args.seed, device, clip=not args.no_clip, ref_n=args.ref_n,
-                            batch=args.batch, dist_info=info, class_label=args.class_label) for w in weights]
+                            batch=args.batch, dist_info=info, class_label=args.class_label, decode=decode)
+                   for w in weights]
         if info.is_main:
             record = {"step": m.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
                       "batch": args.batch, "weights": "raw" if args.no_ema else "ema", "ref_n": args.ref_n,
@@ -396,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="guide only at noise levels sigma in [LO, HI] (Kynkaanniemi et al. 2024)")
     s.add_argument("--guide", metavar="RUN", help="autoguidance: guide with this weaker model of the same task "
                    "(a smaller or earlier run): D = D_guide + W (D_main - D_guide)")
+    s.add_argument("--vae", help="latent runs: load the store's VAE from here instead of where the store says "
+                   "(a moved folder; it must be the same VAE)")
     s.add_argument("--class", dest="class_label", type=int, metavar="C",
                    help="draw every sample for class C (default: classes cycle over the samples)")
     s.set_defaults(func=_cmd_sample)
@@ -426,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="guide only at noise levels sigma in [LO, HI] (Kynkaanniemi et al. 2024)")
     e.add_argument("--guide", metavar="RUN", help="autoguidance: guide with this weaker model of the same task "
                    "(a smaller or earlier run): D = D_guide + W (D_main - D_guide)")
+    e.add_argument("--vae", help="latent runs: load the store's VAE from here instead of where the store says "
+                   "(a moved folder; it must be the same VAE)")
     e.add_argument("--class", dest="class_label", type=int, metavar="C",
                    help="draw every sample for class C (default: classes cycle over the samples)")
     e.set_defaults(func=_cmd_eval)
@@ -456,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     ph.add_argument("--out", required=True, help="directory for one sampleable run directory per sigma_rel")
     ph.set_defaults(func=_cmd_phema)
 
-    ds = sub.add_parser("dataset", help="build, describe or verify a dataset store (uint8 shards, memory-mapped)")
+    ds = sub.add_parser("dataset", help="build, encode (VAE latents), describe or verify a dataset store")
     dsub = ds.add_subparsers(dest="action", required=True)
     db = dsub.add_parser("build", help="build a store from an image folder, .zip, .npz/.npy, fashion_mnist or hf:NAME")
     db.add_argument("src", help="image folder, .zip, .npz/.npy, fashion_mnist[:test], or hf:NAME[:SPLIT]")
@@ -468,6 +478,15 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping")
     db.add_argument("--quiet", action="store_true")
     db.set_defaults(func=_cmd_dataset)
+    de = dsub.add_parser("encode", help="encode an image store with a VAE into a latent store (latent diffusion)")
+    de.add_argument("store", help="image store directory (from `steadydiff dataset build`)")
+    de.add_argument("--vae", required=True, help="AutoencoderKL: a local folder (save_pretrained) or a hub id (online)")
+    de.add_argument("--out", required=True, help="latent store directory to create (re-run to continue)")
+    de.add_argument("--batch", type=_count, default=32, help="images per VAE call (default 32)")
+    de.add_argument("--shard-size", type=_count, default=10_000, help="latents per shard file (default 10000)")
+    de.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    de.add_argument("--quiet", action="store_true")
+    de.set_defaults(func=_cmd_dataset)
     for name, what in (("info", "describe a store"), ("verify", "re-hash every file of a store")):
         dp = dsub.add_parser(name, help=what)
         dp.add_argument("store", help="store directory")
@@ -499,6 +518,20 @@ def _cmd_dataset(args: argparse.Namespace) -> int:
         skipped = f"; skipped {meta['skipped']} unreadable image(s)" if meta["skipped"] else ""
         print(f"built {args.out}: {meta['count']} images{skipped}")
         print(store_info(args.out))
+    elif args.action == "encode":
+        from .data.encode import encode_store
+        from .data.store import INDEX
+        from .nn.vae import load_vae
+        from .utils.device import pick_device
+
+        out = Path(args.out)
+        if (out / INDEX).exists():  # before loading a VAE: nothing to do, and nothing may change
+            raise ConfigError(f"{out} is already a complete store; choose another --out, or delete it to re-encode")
+        codec = load_vae(args.vae, pick_device(args.device))
+        meta = encode_store(args.store, out, codec.encode, codec.identity, batch=args.batch,
+                            shard_size=args.shard_size, progress=not args.quiet)
+        print(f"encoded {args.store} -> {out}: {meta['count']} latents of {'x'.join(map(str, meta['shape']))}")
+        print(store_info(out))
     elif args.action == "info":
         print(store_info(args.store))
     else:

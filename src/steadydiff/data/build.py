@@ -58,6 +58,11 @@ class Source:
     class_names: list[str] | None
     resize: str
     read: Callable[[Sequence[int], Any], tuple[np.ndarray, list[int], list[str]]]
+    # Other stores than uint8 images (a latent store, `data/latent.py`): the rows' dtype and shape, and what
+    # goes into dataset.json besides the usual fields, computed from the finished shards.
+    dtype: str = "uint8"
+    row_shape: tuple[int, ...] | None = None
+    finalize: Callable[[Path, list[dict[str, Any]]], dict[str, Any]] | None = None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -353,10 +358,11 @@ def _save_npy(path: Path, arr: np.ndarray) -> str:
     return file_sha256(path)
 
 
-def build_store(src: str, out: str | Path, resolution: int | None = None, labels: bool = False,
+def build_store(src: str | Source, out: str | Path, resolution: int | None = None, labels: bool = False,
                 shard_size: int = 10_000, workers: int | None = None, strict: bool = False,
                 progress: bool = True) -> dict[str, Any]:
-    """Build the store `out` from `src` (see the module doc) and return its dataset.json content."""
+    """Build the store `out` from `src` (see the module doc; or a ready `Source`) and return its dataset.json
+    content."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -370,7 +376,7 @@ def build_store(src: str, out: str | Path, resolution: int | None = None, labels
     stage = out.with_name(out.name + ".partial")
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 0 else None
     try:
-        source = open_source(src, resolution, labels, pool)
+        source = src if isinstance(src, Source) else open_source(src, resolution, labels, pool)
         plan = {"source": source.description, "count": source.count, "resolution": source.resolution,
                 "channels": source.channels, "labels": source.labels is not None, "shard_size": shard_size,
                 "resize": source.resize}
@@ -384,7 +390,8 @@ def build_store(src: str, out: str | Path, resolution: int | None = None, labels
             record = previous
         stage.mkdir(parents=True, exist_ok=True)
         n_shards = -(-source.count // shard_size)
-        bar = tqdm(total=source.count, desc="build", unit="img", disable=not progress,
+        bar = tqdm(total=source.count, desc="build" if source.finalize is None else "encode", unit="img",
+                   disable=not progress,
                    initial=min(source.count, len(record["shards"]) * shard_size))
         for j in range(len(record["shards"]), n_shards):
             items = list(range(j * shard_size, min((j + 1) * shard_size, source.count)))
@@ -417,6 +424,10 @@ def build_store(src: str, out: str | Path, resolution: int | None = None, labels
             "labels": source.labels is not None, "num_classes": len(source.class_names or []),
             "class_names": source.class_names, "source": source.description, "resize": source.resize,
             "skipped": record["skipped"], "shards": record["shards"]}
+    if source.dtype != "uint8":
+        meta.update(dtype=source.dtype, row_shape=list(source.row_shape))
+    if source.finalize is not None:
+        meta.update(source.finalize(stage, record["shards"]))
     atomic_write_text(stage / INDEX, json.dumps(meta, indent=1) + "\n")
     (stage / "progress.json").unlink()
     if out.exists():
@@ -435,8 +446,10 @@ def store_info(root: str | Path) -> str:
     names = meta.get("class_names") or []
     classes = f"{len(names)} classes ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})" if meta[
         "labels"] else "no labels"
+    what = "images" if meta.get("latent") is None else f"latents (VAE {meta['latent']['vae']['source']})"
     return "\n".join([
-        f"store {root}: {meta['count']} images of {'x'.join(str(s) for s in meta['shape'])} uint8, {classes}",
+        f"store {root}: {meta['count']} {what} of {'x'.join(str(s) for s in meta['shape'])} "
+        f"{meta.get('dtype', 'uint8')}, {classes}",
         f"source: {meta['source']}; resize: {meta['resize']}; skipped while building: {meta.get('skipped', 0)}",
         f"{len(meta['shards'])} shards, {size / 2**20:.1f} MiB; format {meta['format']} v{meta['version']}",
     ])

@@ -27,10 +27,15 @@ def load_dataset(cfg: DataConfig) -> ArrayDataset | StoreDataset:
         ds = load_folder(cfg.root, cfg.resolution, cfg.labels, cfg.max_items)
     elif cfg.name == "store":
         store = open_store(cfg.root)
-        shape = store.sample_shape
-        if shape[1:] != (cfg.resolution, cfg.resolution):
-            raise DataError(f"the store {cfg.root} holds {shape[1]}x{shape[2]} images but data.resolution="
+        # data.resolution is the image resolution, for a latent store that of the images it encodes
+        shape = store.sample_shape if store.latent is None else store.latent["image_store"]["shape"]
+        what = "images" if store.latent is None else "latents of images"
+        if tuple(shape[1:]) != (cfg.resolution, cfg.resolution):
+            raise DataError(f"the store {cfg.root} holds {what} of {shape[1]}x{shape[2]} but data.resolution="
                             f"{cfg.resolution}; set data.resolution={shape[1]} (or build a store at this resolution)")
+        if store.latent is not None and cfg.hflip:
+            raise DataError(f"{cfg.root} is a latent store: mirrored latents are not latents of mirrored images; "
+                            "set data.hflip=false")
         if cfg.labels and store.labels is None:
             raise DataError(f"data.labels=true but the store {cfg.root} has no labels; rebuild it with --labels or "
                             "set data.labels=false")

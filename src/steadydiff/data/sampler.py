@@ -75,8 +75,15 @@ def get_batch(
     if hflip and ds.is_image:
         device = generator.device if generator is not None else torch.device("cpu")
         flips = torch.rand(len(idx), generator=generator, device=device)[keep] < 0.5
+    eps = None
+    if getattr(ds, "latent", None) is not None:  # a latent store: a fresh draw from each posterior, every step
+        if hflip:
+            raise DataError(f"{ds.name} is a latent store: mirrored latents are not latents of mirrored images; "
+                            "set data.hflip=false")
+        device = generator.device if generator is not None else torch.device("cpu")
+        eps = torch.randn((len(idx), *ds.sample_shape), generator=generator, device=device)[keep].cpu()
     idx = idx[keep]
-    x = ds.items(idx)
+    x = ds.items(idx) if eps is None else ds.draw(idx, eps)
     labels = None if ds.labels is None else ds.labels.index_select(0, idx.to(ds.labels.device))
     if hflip:
         if flips is None:

@@ -1,4 +1,6 @@
 """A dataset store: uint8 image shards on disk, read row by row, so that memory does not grow with the dataset.
+(A latent store, written by `steadydiff dataset encode`, holds float32 posterior means and stds instead: see
+`data/latent.py`.)
 
 Layout of a store directory (written by `steadydiff dataset build`, see `data/build.py`):
 
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from .base import ArrayDataset, DataError, to_unit_range
+from .latent import normalise, split_posterior
 
 FORMAT = "steadydiff-store"
 VERSION = 1
@@ -69,15 +72,18 @@ def read_index(root: str | Path) -> dict[str, Any]:
     if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
         raise DataError(f"{root} is a store of format version {meta.get('version')}, newer than this steadydiff "
                         f"reads ({VERSION}); upgrade steadydiff (pip install -U steadydiff)")
+    if meta.get("dtype", "uint8") != "uint8" and not isinstance(meta.get("latent"), dict):
+        raise DataError(f"{root} holds {meta.get('dtype')} rows but no VAE record (\"latent\" in {INDEX}), so its "
+                        "latents cannot be normalised or decoded; re-encode it with `steadydiff dataset encode`")
     return meta
 
 
 class Shard:
     """One .npy shard read by offset: `rows(local_indices)` -> uint8 (n, *shape). Thread-safe (pread)."""
 
-    def __init__(self, path: Path, count: int, shape: tuple[int, ...], fix: str):
-        self.path, self.count, self.shape = path, count, shape
-        self.row_bytes = int(np.prod(shape))
+    def __init__(self, path: Path, count: int, shape: tuple[int, ...], fix: str, dtype: str = "uint8"):
+        self.path, self.count, self.shape, self.dtype = path, count, shape, np.dtype(dtype)
+        self.row_bytes = int(np.prod(shape)) * self.dtype.itemsize
         try:
             with open(path, "rb") as f:
                 version = np.lib.format.read_magic(f)
@@ -89,9 +95,9 @@ class Shard:
         except (OSError, ValueError) as e:
             raise DataError(f"store shard {path} is truncated or corrupt ({e}); {fix}") from e
         got_shape, fortran, dtype = header
-        if dtype != np.uint8 or fortran or got_shape != (count, *shape):
-            raise DataError(f"store shard {path} holds {dtype} {got_shape}, not uint8 {(count, *shape)} as {INDEX} "
-                            f"says; {fix}")
+        if dtype != self.dtype or fortran or got_shape != (count, *shape):
+            raise DataError(f"store shard {path} holds {dtype} {got_shape}, not {self.dtype} {(count, *shape)} as "
+                            f"{INDEX} says; {fix}")
         size = path.stat().st_size
         if size != self.offset + count * self.row_bytes:
             raise DataError(f"store shard {path} is truncated or corrupt ({size} bytes, expected "
@@ -105,7 +111,7 @@ class Shard:
         out = np.empty((len(local), self.row_bytes), np.uint8)
         for k, i in enumerate(local.tolist()):
             out[k] = np.frombuffer(os.pread(self.fd, self.row_bytes, self.offset + i * self.row_bytes), np.uint8)
-        return out.reshape(len(local), *self.shape)
+        return out.view(self.dtype).reshape(len(local), *self.shape)
 
     def __del__(self) -> None:
         fd = getattr(self, "fd", None)
@@ -142,19 +148,38 @@ class StoreDataset:
     def is_image(self) -> bool:
         return True
 
+    @property
+    def latent(self) -> dict[str, Any] | None:
+        """A latent store's record (VAE identity, per-channel statistics; `data/latent.py`), else None."""
+        return self.meta.get("latent")
+
     def _gather(self, idx: np.ndarray) -> np.ndarray:
-        out = np.empty((len(idx), *self.sample_shape), dtype=np.uint8)
+        out = np.empty((len(idx), *self.shards[0].shape), dtype=self.shards[0].dtype) if self.shards else \
+            np.empty((len(idx), *self.sample_shape), dtype=np.uint8)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
         for s in np.unique(shard_of):
             rows = np.flatnonzero(shard_of == s)
             out[rows] = self.shards[s].rows(idx[rows] - self._starts[s])
         return out
 
-    def items(self, indices: torch.Tensor) -> torch.Tensor:
+    def _rows(self, indices: torch.Tensor) -> np.ndarray:
         idx = indices.to(device="cpu", dtype=torch.int64).numpy()
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for a store of {len(self)} items")
-        return to_unit_range(torch.from_numpy(self._gather(idx)))
+        return self._gather(idx)
+
+    def items(self, indices: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1]; for a latent store the normalised posterior means (deterministic: what
+        validation sets and reference statistics use; training draws with `draw`)."""
+        if self.latent is not None:
+            return normalise(split_posterior(torch.from_numpy(self._rows(indices)))[0], self.latent)
+        return to_unit_range(torch.from_numpy(self._rows(indices)))
+
+    def draw(self, indices: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """A latent store's training sample: normalise(mean + std * eps), eps ~ N(0, I) drawn by the caller from
+        the step's generator (EDM2's fresh latent per step)."""
+        mean, std = split_posterior(torch.from_numpy(self._rows(indices)))
+        return normalise(mean + std * eps.to(mean.dtype), self.latent)
 
     def items_range(self, start: int, stop: int) -> torch.Tensor:
         stop = min(stop, len(self))
@@ -175,6 +200,9 @@ class StoreDataset:
 
     def to_ram(self) -> ArrayDataset:
         """The whole store as an in-memory uint8 `ArrayDataset` (data.cache: ram)."""
+        if self.latent is not None:
+            raise DataError(f"data.cache=ram applies to image stores; {self.root} is a latent store, read from disk "
+                            "(set data.cache=none)")
         data = torch.from_numpy(self._gather(np.arange(len(self))))
         return ArrayDataset(data, self.labels, self.num_classes, self.name, self.class_names)
 
@@ -187,7 +215,8 @@ def open_store(root: str | Path) -> StoreDataset:
     fix = _READ_FIX.format(root=root)
     shards, labels = [], []
     for entry in meta["shards"]:
-        shards.append(Shard(root / entry["file"], entry["count"], shape, fix))
+        row_shape = tuple(meta.get("row_shape", shape))  # a latent store's rows: posterior mean | std
+        shards.append(Shard(root / entry["file"], entry["count"], row_shape, fix, meta.get("dtype", "uint8")))
         if meta.get("labels"):
             lpath = root / entry["labels_file"]
             try:

@@ -14,7 +14,7 @@ from ..utils.rng import chunk_seed
 def generate_chunks(model, formulation, sample_shape, n: int, sampler: str, steps: int, seed: int,
                     device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
                     clip: bool = True, rank: int = 0, world_size: int = 1,
-                    class_label: int | None = None) -> dict[int, torch.Tensor]:
+                    class_label: int | None = None, decode=None) -> dict[int, torch.Tensor]:
     """{k: chunk k} for this process's share of `n` samples.
 
     Chunk k holds samples [k * batch, min(n, (k + 1) * batch)) and draws its prior noise and any sampler
@@ -23,7 +23,8 @@ def generate_chunks(model, formulation, sample_shape, n: int, sampler: str, step
     draws the chunks with k % world_size == rank. Labels: `sample_labels` (class_label for every sample, or
     0..num_classes-1 cycling over the sample index).
     `clip`: for image data (in [-1, 1]) keep the denoised estimate in that range at every step; points
-    (toy2d) are never clipped.
+    (toy2d) and latents are never clipped. `decode` (latent diffusion, `diffusion/latent.py`): each chunk's
+    latents -> images.
     """
     if batch <= 0:
         raise ValueError(f"batch must be > 0, got {batch}")
@@ -36,8 +37,8 @@ def generate_chunks(model, formulation, sample_shape, n: int, sampler: str, step
         x_T = torch.randn((b, *sample_shape), generator=g, device=device)
         labels = sample_labels(start, b, num_classes, class_label, device)
         x = formulation.generate(model, x_T, sampler, steps, labels, generator=g,
-                                 clip=clip and len(sample_shape) == 3)
-        out[k] = x.float().cpu()
+                                 clip=clip and len(sample_shape) == 3 and decode is None)
+        out[k] = (x if decode is None else decode(x)).float().cpu()
     return out
 
 
@@ -67,11 +68,11 @@ def merge_chunks(shards: list[dict[int, torch.Tensor]]) -> torch.Tensor:
 
 def generate(model, formulation, sample_shape, n: int, sampler: str, steps: int, seed: int,
              device: torch.device | str = "cpu", num_classes: int = 0, batch: int = 256,
-             clip: bool = True, class_label: int | None = None) -> torch.Tensor:
+             clip: bool = True, class_label: int | None = None, decode=None) -> torch.Tensor:
     """Draw `n` samples with one of the formulation's samplers, in chunks of `batch` (see `generate_chunks`);
     a pure function of (seed, batch)."""
     if n <= 0:
         raise ValueError(f"n must be > 0, got {n}")
     chunks = generate_chunks(model, formulation, sample_shape, n, sampler, steps, seed, device, num_classes,
-                             batch, clip, class_label=class_label)
+                             batch, clip, class_label=class_label, decode=decode)
     return merge_chunks([chunks])

@@ -115,13 +115,16 @@ def parse_metrics(text: str | list[str], sample_ndim: int | None = None) -> list
 def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampler: str, steps: int,
              seed: int = 0, device: torch.device | str = "cpu", clip: bool = True,
              ref_n: int | None = None, batch: int = 256, dist_info=None,
-             class_label: int | None = None) -> dict[str, Any]:
+             class_label: int | None = None, decode=None) -> dict[str, Any]:
     """Draw `n` samples once (in chunks of `batch`, see `generate_chunks`) and compute every metric on them.
     Returns {metric: value, ...}.
 
     `ref_n`: reference statistics (fd_fmnist, fid) over the first `ref_n` training images (default: all).
     Inception runs at ~6 images/s on 2 CPU cores, so on a CPU pass e.g. ref_n=2000 for `fid`; statistics
     over different ref_n are cached separately and FIDs are comparable only at equal (n, ref_n).
+
+    `decode` (a model trained on a latent store): samples are decoded to pixels and scored against the image
+    store the latents were encoded from.
 
     `dist_info` (a `DistInfo` with world_size > 1, under torchrun): every process must call this; each draws
     its share of the chunks and extracts their features, rank 0 gathers them and returns the metrics, the
@@ -132,6 +135,13 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
     from .features import get_extractor
 
     info = dist_info if dist_info is not None else DistInfo()
+    data_cfg, latent_shape = cfg.data, dataset.sample_shape
+    if decode is not None:  # latent diffusion: decoded samples against the image store the latents came from
+        from ..data import load_dataset
+        from ..diffusion.latent import image_store
+
+        data_cfg = image_store(cfg.data)
+        dataset = load_dataset(data_cfg)
     metrics = parse_metrics(metrics, len(dataset.sample_shape))
     if any(m in CLASS_METRICS for m in metrics) and not cfg.model.num_classes:
         raise ValueError("class_acc scores class-conditional models; this model has model.num_classes=0")
@@ -139,9 +149,9 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
         if dataset.sample_shape[0] != 1 or dataset.sample_shape[1:] != (28, 28):
             raise ValueError("fd_fmnist/kid/precision/recall use the 28x28 grayscale Fashion-MNIST classifier; "
                              "use --metric fid for other image data")
-    chunks = generate_chunks(model, formulation, dataset.sample_shape, n, sampler, steps, seed, device,
+    chunks = generate_chunks(model, formulation, latent_shape, n, sampler, steps, seed, device,
                              cfg.model.num_classes, batch=batch, clip=clip, rank=info.rank,
-                             world_size=info.world_size, class_label=class_label)
+                             world_size=info.world_size, class_label=class_label, decode=decode)
     local: dict[str, dict[int, torch.Tensor]] = {}
     for need in dict.fromkeys(NEEDS[m] for m in metrics):  # each extractor once, in a fixed order
         if need == SAMPLES:
@@ -155,7 +165,7 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
     if parts is None:
         return {}
     fake = {need: merge_chunks([part[need] for part in parts]) for need in local}
-    ctx = EvalContext(fake, dataset, cfg.data, n, seed, device, ref_n,
+    ctx = EvalContext(fake, dataset, data_cfg, n, seed, device, ref_n,
                       sample_labels(0, n, cfg.model.num_classes, class_label))
     return {m: float(METRIC_FNS[m](ctx)) for m in metrics}
 

@@ -19,6 +19,7 @@ processes are equal in distribution, not bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from contextlib import nullcontext
@@ -314,7 +315,14 @@ class Trainer:
     def sample(self, n: int, sampler: str, steps: int, seed: int, use_ema: bool = True) -> torch.Tensor:
         model = self.ema.model if use_ema else self.model
         return generate(model, self.diffusion, self.dataset.sample_shape, n, sampler, steps, seed, self.device,
-                        self.cfg.model.num_classes, clip=self.cfg.train.sample_clip)
+                        self.cfg.model.num_classes, clip=self.cfg.train.sample_clip, decode=self.decoder)
+
+    @functools.cached_property
+    def decoder(self):
+        """Latent stores: latents -> images with the store's VAE (loaded on first use); None for image data."""
+        from ..diffusion.latent import latent_decoder
+
+        return latent_decoder(self.cfg.data, device=self.device)
 
     def evaluate(self) -> dict[str, float]:
         """Quick eval of the EMA weights (train.eval_metrics on train.eval_n samples), keys `eval/<metric>`.
@@ -324,7 +332,7 @@ class Trainer:
         t = self.cfg.train
         res = evaluate(self.ema.model, self.diffusion, self.cfg, self.dataset, t.eval_metrics, t.eval_n,
                        t.sample_sampler, t.sample_steps, seed=t.seed, device=self.device, clip=t.sample_clip,
-                       batch=t.eval_batch, dist_info=self.dist)
+                       batch=t.eval_batch, dist_info=self.dist, decode=self.decoder)
         return {f"eval/{k}": v for k, v in res.items()}
 
     def _write_samples(self) -> None:
