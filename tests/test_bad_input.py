@@ -133,6 +133,10 @@ def world(tmp_path_factory):
     meta = json.loads(index.read_text())
     del meta["latent"]
     index.write_text(json.dumps(meta))
+    # a latent run whose store lost its VAE record after training: nothing can decode its samples
+    shutil.copytree(r / "latrun", r / "latrun-nometa")
+    run_cfg = r / "latrun-nometa" / "config.yaml"
+    run_cfg.write_text(run_cfg.read_text().replace(str(r / "lat"), str(r / "latnometa")))
     return r
 
 
@@ -355,6 +359,8 @@ LATENT_CASES = [
       "--vae applies to models trained on a latent store"),
     C("latent-store-without-vae-record", ["train", "--out", "{R}/new", *SMALL_UNET,
                                           *sets("data.name=store", "data.root={R}/latnometa")],
+      "re-encode it with `steadydiff dataset encode`"),
+    C("latent-decode-without-vae-record", ["sample", "{R}/latrun-nometa", "--out", "{R}/x.png"],
       "re-encode it with `steadydiff dataset encode`"),
     C("latent-hflip", ["train", "--out", "{R}/new", *SMALL_UNET, *sets("data.name=store", "data.root={R}/lat",
                                                                    "data.hflip=true")], "set data.hflip=false"),
