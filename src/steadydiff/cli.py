@@ -114,6 +114,22 @@ def _guided(model, guide, formulation, weight: float, interval):
     return Guided(model, weight, guide=guide, interval=interval, sigma_of=formulation.sigma_of_input)
 
 
+def _add_guidance_args(p: argparse.ArgumentParser, sweep: str) -> None:
+    """The options `sample` and `eval` share: guidance, the class drawn, and the VAE of a latent run."""
+    p.add_argument("--guidance", default="1", metavar="W",
+                   help="guidance weight (1: none; >1: stronger): classifier-free with a model trained with "
+                   f"model.label_dropout, or autoguidance with --guide{sweep}")
+    p.add_argument("--guidance-interval", metavar="LO,HI",
+                   help="guide only at noise levels sigma in [LO, HI] (Kynkaanniemi et al. 2024)")
+    p.add_argument("--guide", metavar="RUN", help="autoguidance: guide with this weaker model of the same task "
+                   "(a smaller or earlier run; an unconditional one: classifier-free guidance as in EDM2): "
+                   "D = D_guide + W (D_main - D_guide)")
+    p.add_argument("--vae", help="latent runs: load the store's VAE from here instead of where the store says "
+                   "(a moved folder; it must be the same VAE)")
+    p.add_argument("--class", dest="class_label", type=int, metavar="C",
+                   help="draw every sample for class C (default: classes cycle over the samples)")
+
+
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
@@ -395,17 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-clip", action="store_true", help="do not keep image estimates in [-1, 1] while sampling")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     s.add_argument("--threads", type=_count, default=None)
-    s.add_argument("--guidance", default="1", metavar="W",
-                   help="guidance weight (1: none; >1: stronger): classifier-free with a model trained with "
-                   "model.label_dropout, or autoguidance with --guide")
-    s.add_argument("--guidance-interval", metavar="LO,HI",
-                   help="guide only at noise levels sigma in [LO, HI] (Kynkaanniemi et al. 2024)")
-    s.add_argument("--guide", metavar="RUN", help="autoguidance: guide with this weaker model of the same task "
-                   "(a smaller or earlier run): D = D_guide + W (D_main - D_guide)")
-    s.add_argument("--vae", help="latent runs: load the store's VAE from here instead of where the store says "
-                   "(a moved folder; it must be the same VAE)")
-    s.add_argument("--class", dest="class_label", type=int, metavar="C",
-                   help="draw every sample for class C (default: classes cycle over the samples)")
+    _add_guidance_args(s, sweep="")
     s.set_defaults(func=_cmd_sample)
 
     e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, "
@@ -426,18 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="JSON file (default RUN/eval.json)")
     e.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     e.add_argument("--threads", type=_count, default=None)
-    e.add_argument("--guidance", default="1", metavar="W",
-                   help="guidance weight (1: none; >1: stronger): classifier-free with a model trained with "
-                   "model.label_dropout, or autoguidance with --guide; a comma-separated list sweeps it (metrics "
-                   "against W, and a plot)")
-    e.add_argument("--guidance-interval", metavar="LO,HI",
-                   help="guide only at noise levels sigma in [LO, HI] (Kynkaanniemi et al. 2024)")
-    e.add_argument("--guide", metavar="RUN", help="autoguidance: guide with this weaker model of the same task "
-                   "(a smaller or earlier run): D = D_guide + W (D_main - D_guide)")
-    e.add_argument("--vae", help="latent runs: load the store's VAE from here instead of where the store says "
-                   "(a moved folder; it must be the same VAE)")
-    e.add_argument("--class", dest="class_label", type=int, metavar="C",
-                   help="draw every sample for class C (default: classes cycle over the samples)")
+    _add_guidance_args(e, sweep="; a comma-separated list sweeps it (metrics against W, and a plot)")
     e.set_defaults(func=_cmd_eval)
 
     c = sub.add_parser("convert", help="convert checkpoints from/to the official U-ViT/ScaleLong layout")
