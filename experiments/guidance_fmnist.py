@@ -5,13 +5,14 @@ batch 32, lr 1e-3), then samples it at guidance weights W = 0 (unconditional), 1
 and scores every sample set with `class_acc` (the share of samples steadydiff's Fashion-MNIST classifier
 assigns to the class they were drawn for; classes cycle over the samples) and fd_fmnist:
 
-    steadydiff eval OUT/run --metric class_acc,fd_fmnist --guidance 0,1,1.5,2,3 --n N --steps 30 --seed S
+    steadydiff eval OUT/run --metric class_acc,fd_fmnist --guidance 0,1,1.5,2,3 --n N --steps 20 --seed S
 
-for three sampling seeds. Claim fixed before the run (the test of issue 21): class_acc at W = 2 is higher than
+for two sampling seeds (first written as 1,000 samples x 30 steps x 3 seeds: stopped before any result
+existed, when its cost, ~2 h on this CPU, became clear; the claim is unchanged). Claim fixed before the run (the test of issue 21): class_acc at W = 2 is higher than
 at W = 1. One trained model: the intervals are over its samples (Wilson, per W and seed), not over training
 seeds. Also writes OUT/classes-w1.png and OUT/classes-w2.png (row c: class c) and OUT/report.md.
 
-    python experiments/guidance_fmnist.py --out OUT [--n 1000] [--steps 1200]
+    python experiments/guidance_fmnist.py --out OUT [--n 500] [--steps 1200]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from steadydiff.utils.images import image_grid
 from steadydiff.utils.io import atomic_write, atomic_write_text
 
 WEIGHTS = [0.0, 1.0, 1.5, 2.0, 3.0]
-SEEDS = [0, 1, 2]
+SEEDS = [0, 1]
 
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -51,12 +52,12 @@ def class_grid(run: Path, weight: float, path: Path, per_class: int = 8) -> None
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--n", type=int, default=1000, help="samples per (W, seed)")
+    ap.add_argument("--n", type=int, default=500, help="samples per (W, seed)")
     ap.add_argument("--steps", type=int, default=1200, help="training steps")
     a = ap.parse_args()
     run = a.out / "run"
     sets = ["model.num_classes=10", "model.label_dropout=0.1", f"train.steps={a.steps}", "train.sample_every=0",
-            "train.threads=1"]
+            "train.threads=2"]
     code = cli(["train", "--config", "configs/demo.yaml", "--out", str(run), "--quiet",
                 *[x for s in sets for x in ("--set", s)]])
     if code:
@@ -67,7 +68,7 @@ def main() -> int:
         out = a.out / f"sweep-seed{seed}.json"
         if not out.is_file():
             code = cli(["eval", str(run), "--metric", "class_acc,fd_fmnist", "--guidance", ws, "--n", str(a.n),
-                        "--steps", "30", "--seed", str(seed), "--out", str(out)])
+                        "--steps", "20", "--seed", str(seed), "--out", str(out)])
             if code:
                 return code
         table[seed] = {r["guidance"]: r["metrics"] for r in json.loads(out.read_text())["sweep"]}
