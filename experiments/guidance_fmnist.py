@@ -10,7 +10,8 @@ assigns to the class they were drawn for; classes cycle over the samples) and fd
 for two sampling seeds (first written as 1,000 samples x 30 steps x 3 seeds: stopped before any result
 existed, when its cost, ~2 h on this CPU, became clear; the claim is unchanged). Claim fixed before the run
 (the test of issue 21): class_acc at W = 2 is higher than at W = 1. One trained model: the intervals are
-over its samples (Wilson, per W and seed), not over training seeds. Also writes OUT/classes-w1.png and OUT/classes-w2.png (row c: class c) and OUT/report.md.
+over its samples (Wilson, per W and seed), not over training seeds. Also writes OUT/classes-w1.png and
+OUT/classes-w2.png (row c: class c) and OUT/report.md.
 
     python experiments/guidance_fmnist.py --out OUT [--n 500] [--steps 1200]
 """
