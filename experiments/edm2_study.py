@@ -9,6 +9,7 @@
    the weights and the FD of samples from each.
 
     python experiments/edm2_study.py OUT [--experiment experiments/edm2-mp-lr.yaml] [--n 200] [--steps 8]
+        [--seeds 10,11]
 
 Writes OUT/edm2_study.json, OUT/edm2_study.md, OUT/magnitudes.png and OUT/phema_sweep.png.
 """
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--experiment", default=str(Path(__file__).with_name("edm2-mp-lr.yaml")))
     ap.add_argument("--n", type=int, default=200, help="samples per FD")
     ap.add_argument("--steps", type=int, default=8, help="Heun steps per sample")
+    ap.add_argument("--seeds", help="MP-arm seeds for the post-hoc EMA part, comma-separated (default: all; "
+                    "each costs 15 FD evaluations)")
     args = ap.parse_args()
     out = Path(args.out)
     exp = load_experiment(args.experiment)
@@ -118,7 +121,8 @@ def main() -> None:
     plt.close(fig)
 
     torch.set_num_threads(2)
-    for s in exp.seeds:
+    phema_seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else exp.seeds
+    for s in phema_seeds:
         rdir = run_dir(out, "mp", s)
         if not (rdir / "phema").is_dir():
             continue
@@ -159,7 +163,8 @@ def main() -> None:
     atomic_write_text(out / "edm2_study.json", json.dumps(report, indent=1) + "\n")
 
     lines = ["# EDM2 study: magnitudes and post-hoc EMA", "",
-             f"Command: `python experiments/edm2_study.py {args.out} --n {args.n} --steps {args.steps}` "
+             f"Command: `python experiments/edm2_study.py {args.out} --n {args.n} --steps {args.steps}"
+             f"{' --seeds ' + args.seeds if args.seeds else ''}` "
              f"({report['wall_s']:.0f} s)", "",
              "## Magnitude growth, last / first logged RMS per block (median and max over blocks and seeds)", "",
              "| arm | activations median | activations max | weights median | weights max |", "|---|---|---|---|---|"]
