@@ -148,6 +148,11 @@ def test_a_killed_encode_continues_and_equals_a_clean_one(stores, tmp_path, monk
                      progress=False)
     assert not (tmp_path / "lat").exists() and (tmp_path / "lat.partial").is_dir()
     monkeypatch.setattr(build_mod, "_save_npy", real_save)
+    from steadydiff.data import DataError
+
+    with pytest.raises(DataError, match="unfinished build of other arguments"):  # another batch: other numerics
+        encode_store(stores / "small", tmp_path / "lat", codec.encode, codec.identity, batch=5, shard_size=16,
+                     progress=False)
     meta = encode_store(stores / "small", tmp_path / "lat", codec.encode, codec.identity, batch=7, shard_size=16,
                         progress=False)
     clean = read_index(stores / "lat")

@@ -63,7 +63,9 @@ def encode_store(store: str | Path, out: str | Path, encode: Callable[[torch.Ten
                                            "shape": list(src.sample_shape)}}}
 
     labels = None if src.labels is None else src.labels.numpy()
-    source = Source(f"{Path(store).resolve()} encoded by {vae_identity['source']}", len(src), c, h, labels,
+    # The batch is part of the plan: convolution numerics depend on it, so a resumed encode must use the same.
+    source = Source(f"{Path(store).resolve()} encoded by {vae_identity['source']} (batch {batch})", len(src), c, h,
+                    labels,
                     src.class_names or (None if labels is None else [str(i) for i in range(src.num_classes)]),
                     src.meta.get("resize", ""), read, dtype="float32", row_shape=(2 * c, h, w),
                     finalize=finalize)
