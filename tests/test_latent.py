@@ -98,8 +98,6 @@ def test_encode_train_sample_eval_end_to_end_and_resume_is_exact(stores, tmp_pat
     png = tmp_path / "s.png"
     assert main(["sample", str(tmp_path / "a"), "--n", "4", "--steps", "2", "--out", str(png)]) == 0
     assert Image.open(png).size == Image.open(grid).size  # decoded 28x28 images, the trainer's grid layout
-    from steadydiff.utils.images import save_samples  # noqa: F401  (the grid writer both use)
-
     w, h = Image.open(png).size
     assert w > 28 and h >= 28  # pixels, not 14x14 latents
     out = tmp_path / "eval.json"
