@@ -211,9 +211,13 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     # A report regenerated later quotes the command that trained the runs, and says how it was regenerated.
     ran = f"steadydiff compare {path} --out {out} --quiet"
     assert (out / "command.txt").read_text().strip() == ran
+    (out / "lead.md").write_text("## Current answer\n\nSuperseded by a held-out run.\n")
     assert main(["compare", str(path), "--out", str(out), "--report-only"]) == 0
     md = (out / "report.md").read_text()
     assert f"- Command: `{ran}`" in md
+    # The authors' lead comes first, before the description and the verdicts.
+    assert md.index("Superseded by a held-out run.") < md.index("## Regime") < md.index("## Verdicts")
+    assert md.splitlines()[2] == "## Current answer"
     regen = f"steadydiff compare {path} --out {out} --report-only"
     assert f"- Report regenerated from the finished runs by: `{regen}`" in md
     assert json.loads((out / "results.json").read_text())["command"] == ran

@@ -155,8 +155,12 @@ def _calibration_lines(rep: dict[str, Any]) -> list[str]:
 
 def write_markdown(rep: dict[str, Any], out: Path) -> str:
     m = rep["machine"]
+    # lead.md: the authors' current answer, written when a later experiment supersedes these runs (a held-out
+    # figure, a fixed horizon); it goes first so a reader meets it before this experiment's own verdicts.
+    lead = out / "lead.md"
     lines = [
         f"# Experiment: {rep['experiment']}", "",
+        lead.read_text().rstrip() if lead.is_file() else None, "" if lead.is_file() else None,
         rep["description"].strip(), "",
         f"- Command: `{rep['command']}`" if rep["command"] else "",
         f"- Report regenerated from the finished runs by: `{rep['report_command']}`" if rep.get("report_command")
