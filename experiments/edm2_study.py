@@ -122,9 +122,17 @@ def main() -> None:
 
     torch.set_num_threads(2)
     phema_seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else exp.seeds
+    # Seeds measured before with the same --n and --steps are kept (each costs 15 sampling runs), and each new
+    # seed is saved as soon as it is done: the study can be stopped, and extended seed by seed.
+    report["n"], report["steps"] = args.n, args.steps
+    prev_path = out / "edm2_study.json"
+    prev = json.loads(prev_path.read_text()) if prev_path.is_file() else {}
+    if prev.get("n") == args.n and prev.get("steps") == args.steps:
+        for k, r in prev.get("phema", {}).items():
+            report["phema"][int(k)] = {**r, "fd_vs_sigma_rel": {float(sr): v for sr, v in r["fd_vs_sigma_rel"].items()}}
     for s in phema_seeds:
         rdir = run_dir(out, "mp", s)
-        if not (rdir / "phema").is_dir():
+        if s in report["phema"] or not (rdir / "phema").is_dir():
             continue
         cfg = exp.run_config("mp", s)
         ds = load_dataset(cfg.data)
@@ -148,6 +156,8 @@ def main() -> None:
                                  "fd_tracked": fd_of(tracked, cfg, ds, args.n, args.steps, seed=0),
                                  "fd_reconstructed": fd_of(recon, cfg, ds, args.n, args.steps, seed=0)}
         report["phema"][s] = {"step": last, "snapshots": len(snaps), "fd_vs_sigma_rel": sweep, "heldout": checks}
+        atomic_write_text(prev_path, json.dumps(report, indent=1) + "\n")
+    report["phema"] = dict(sorted(report["phema"].items()))
     fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
     for s, r in report["phema"].items():
         ax.plot(list(r["fd_vs_sigma_rel"]), list(r["fd_vs_sigma_rel"].values()), "o-", lw=1, label=f"seed {s}")
@@ -165,7 +175,8 @@ def main() -> None:
     lines = ["# EDM2 study: magnitudes and post-hoc EMA", "",
              f"Command: `python experiments/edm2_study.py {args.out} --n {args.n} --steps {args.steps}"
              f"{' --seeds ' + args.seeds if args.seeds else ''}` "
-             f"({report['wall_s']:.0f} s)", "",
+             f"({report['wall_s']:.0f} s; seeds measured by an earlier call with the same --n and --steps are kept: "
+             f"{', '.join(str(k) for k in report['phema'])} in all)", "",
              "## Magnitude growth, last / first logged RMS per block (median and max over blocks and seeds)", "",
              "| arm | activations median | activations max | weights median | weights max |", "|---|---|---|---|---|"]
     for arm, m in report["magnitudes"].items():
