@@ -257,7 +257,7 @@ def plot_experiment(exp: Experiment, rep: dict[str, Any], out: Path) -> None:
         axes[0].fill_between(np.array(grid)[ok], lo[ok], hi[ok], alpha=0.15, color=line.get_color())
     axes[0].set_xlabel("step")
     axes[0].set_ylabel(rep["metric"])
-    axes[0].set_title("metric vs steps (mean over seeds, band = min..max)")
+    axes[0].set_title("metric vs steps\n(mean over seeds, band = min..max)", fontsize=10)
     axes[0].legend(fontsize=7)
     axes[0].grid(alpha=0.3)
     names = list(rep["arms"])
@@ -268,7 +268,8 @@ def plot_experiment(exp: Experiment, rep: dict[str, Any], out: Path) -> None:
         seeds = (shift or {}).get("per_seed", [])
         axes[1].scatter([i] * len(seeds), [min(_num(v), 10.0) for v in seeds], color="black", s=8, zorder=3)
     axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].set_title("time-shift speed-up at the full budget (bar: seed-mean curves, dots: seeds; capped at 10)")
+    axes[1].set_title("time-shift speed-up at the full budget\n(bar: seed-mean curves, dots: seeds; capped at 10)",
+                      fontsize=10)
     axes[1].tick_params(axis="x", rotation=30, labelsize=7)
     fig.tight_layout()
     atomic_write(out / "metric.png", lambda p: fig.savefig(p, format="png"))
