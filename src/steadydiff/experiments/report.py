@@ -160,7 +160,7 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
     lead = out / "lead.md"
     lines = [
         f"# Experiment: {rep['experiment']}", "",
-        lead.read_text().rstrip() if lead.is_file() else None, "" if lead.is_file() else None,
+        *([lead.read_text().rstrip(), ""] if lead.is_file() else []),
         rep["description"].strip(), "",
         f"- Command: `{rep['command']}`" if rep["command"] else "",
         f"- Report regenerated from the finished runs by: `{rep['report_command']}`" if rep.get("report_command")
