@@ -152,6 +152,22 @@ def test_global_batch_not_divisible_by_processes_is_a_one_line_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_global_batch_rule_and_rank_slices_as_pure_functions():
+    from steadydiff.train.batch import check_global_batch, rank_slice
+    from steadydiff.utils.errors import ConfigError
+
+    check_global_batch(64, 2, 4)  # 64 = 2 ranks x 4 micro-batches x 8
+    with pytest.raises(ConfigError, match=r"train.batch_size=66 is the global batch.*multiple of 4"):
+        check_global_batch(66, 2, 2)
+    with pytest.raises(ConfigError, match="multiple of 12"):
+        check_global_batch(30, 3, 4)
+    for b, world in ((64, 2), (60, 3), (12, 4)):
+        slices = [rank_slice(b, r, world) for r in range(world)]
+        rows = [i for s in slices for i in range(b)[s]]
+        assert rows == list(range(b))  # contiguous, disjoint, covering the batch in rank order
+        assert len({s.stop - s.start for s in slices}) == 1  # equal shards
+
+
 def test_replica_fingerprint_sees_a_one_ulp_change_and_a_swap():
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     ref = fingerprint(net)

@@ -41,6 +41,7 @@ from ..utils import distributed as dist_utils
 from ..utils.device import pick_device
 from ..utils.images import save_samples
 from ..utils.rng import draw_normal, draw_uniform, step_generator
+from .batch import check_global_batch, rank_slice
 from .ema import EMA
 from .faults import with_faults
 from .flops import flop_report
@@ -92,11 +93,7 @@ class Trainer:
 
     def _setup(self, model: nn.Module | None) -> None:
         cfg, t, world = self.cfg, self.cfg.train, self.dist.world_size
-        if t.batch_size % (world * t.grad_accum):
-            raise ConfigError(
-                f"train.batch_size={t.batch_size} is the global batch and must be divisible by the number of "
-                f"processes ({world}) x train.grad_accum ({t.grad_accum}); use a multiple of {world * t.grad_accum}"
-            )
+        check_global_batch(t.batch_size, world, t.grad_accum)
         with dist_utils.local_main_first(self.dist):  # a first run may download the data: once per node
             self.dataset = load_dataset(cfg.data)
         self.sampler = InfiniteSampler(len(self.dataset), seed=t.seed)
@@ -205,8 +202,7 @@ class Trainer:
         return x, labels, levels[sl], noise, None if weights is None else weights[sl], levels
 
     def _rank_slice(self) -> slice:
-        b, rank, world = self.cfg.train.batch_size, self.dist.rank, self.dist.world_size
-        return slice(rank * b // world, (rank + 1) * b // world)
+        return rank_slice(self.cfg.train.batch_size, self.dist.rank, self.dist.world_size)
 
     def _read_batch(self, k: int):
         """This rank's rows of step k's global batch (a pure function of (seed, k): safe to read ahead)."""
