@@ -25,6 +25,7 @@ import torch
 
 from steadydiff.config import load_config
 from steadydiff.diagnostics import GradNormMonitor
+from steadydiff.diagnostics.monitors import build_monitors
 from steadydiff.train import Trainer
 
 ROOT = Path(__file__).resolve().parent
@@ -53,7 +54,7 @@ def build_arms(steps_per_block: int):
     tmp = tempfile.TemporaryDirectory()
     tr = Trainer(cfg, Path(tmp.name) / "run", show_progress=False)
     tr.run_dir.mkdir(parents=True)
-    everything = tr._build_monitors()
+    everything = build_monitors(tr.cfg.diagnostics, tr.context, tr.run_dir)
     arms = {
         "off": [],
         "default (grad norms every step)": [m for m in everything if isinstance(m, GradNormMonitor)],

@@ -221,7 +221,7 @@ def test_resumable_fields_are_metadata_and_only_they_may_change_on_resume():
     from steadydiff.config import config_differences, load_config, resumable_keys
 
     keys = resumable_keys()
-    assert {"train.steps", "train.eval_metrics", "train.fault_steps", "model.grad_checkpointing",
+    assert {"train.steps", "train.eval_metrics", "debug.fault_steps", "model.grad_checkpointing",
             "diagnostics.probe_every", "diagnostics.tensorboard"} <= keys
     assert not keys & {"train.lr", "train.seed", "train.batch_size", "model.kappa", "data.name", "diffusion.kind"}
     a = load_config(None, ["train.steps=10"])

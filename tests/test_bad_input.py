@@ -202,7 +202,7 @@ CONFIG_CASES = [
     C("unknown-nonfinite-policy", ["train", "--out", "{R}/new", *TOY, *sets("train.nonfinite=ignore")],
       "choose one of stop, skip"),
     C("zero-max-skips", ["train", "--out", "{R}/new", *TOY, *sets("train.max_consecutive_skips=0")], "must be >= 1"),
-    C("negative-fault-step", ["train", "--out", "{R}/new", *TOY, *sets("train.fault_steps=[-1]")], "must be >= 0"),
+    C("negative-fault-step", ["train", "--out", "{R}/new", *TOY, *sets("debug.fault_steps=[-1]")], "must be >= 0"),
     C("override-without-equals", ["train", "--out", "{R}/new", *TOY, "--set", "train.lr"], "expected KEY=VALUE"),
     C("config-file-missing", ["train", "--config", "{R}/cfg/nope.yaml", "--out", "{R}/new"], "pass an existing"),
     C("config-file-is-a-directory", ["train", "--config", "{R}/cfg", "--out", "{R}/new"], "pass an existing"),

@@ -119,7 +119,7 @@ def test_nan_loss_exits_nonzero_and_keeps_the_run(tmp_path, capsys):
     base = ["train", "--out", str(run), "--quiet", *TOY, "--set", "train.ckpt_every=3", "--set", "train.steps=6"]
     assert run_cli(base + ["--set", "train.steps=3"], capsys)[0] == 0
     before = snapshot(run / "checkpoints")
-    code, _, err = run_cli(base + ["--set", "train.fault_nan_at_step=4"], capsys)
+    code, _, err = run_cli(base + ["--set", "debug.fault_nan_at_step=4"], capsys)
     assert code == EXIT_NONFINITE
     assert "at step 4" in one_line_error(err)
     assert snapshot(run / "checkpoints") == before

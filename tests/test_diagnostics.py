@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from steadydiff.cli import main
 from steadydiff.config import load_config
-from steadydiff.diagnostics.monitors import block_groups
+from steadydiff.diagnostics.monitors import block_groups, build_monitors
 from steadydiff.train import Trainer
 
 TOY = [
@@ -60,7 +60,7 @@ def test_grad_total_is_the_preclip_norm_and_blocks_add_up(tmp_path):
 def test_update_ratio_matches_a_manual_computation(tmp_path):
     tr = Trainer(load_config(None, TOY + ["train.steps=1", "diagnostics.update_every=1"]), tmp_path / "r",
                  show_progress=False)
-    tr.monitors = tr._build_monitors()
+    tr.monitors = build_monitors(tr.cfg.diagnostics, tr.context, tr.run_dir)
     before = {k: [p.detach().clone() for p in ps] for k, ps in block_groups(tr.model).items()}
     res = tr.train_step()
     for key, params in block_groups(tr.model).items():

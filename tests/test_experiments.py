@@ -181,7 +181,7 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     path = _write_experiment(tmp_path, arms={
         "org": {"model.skip_scaling": "org"},
         "cs": {"model.skip_scaling": "cs", "model.kappa": 0.5},
-        "broken": {"model.skip_scaling": "org", "train.fault_nan_at_step": 50},
+        "broken": {"model.skip_scaling": "org", "debug.fault_nan_at_step": 50},
     })
     out = tmp_path / "out"
     assert main(["compare", str(path), "--out", str(out), "--quiet"]) == 0

@@ -209,7 +209,7 @@ def test_label_dropout_nulls_labels_at_rate_p_from_the_step_generator_and_resume
     def labels(p):
         tr = Trainer(load_config("configs/demo.yaml", COND + [f"model.label_dropout={p}", "train.steps=4"]),
                      tmp_path / f"probe-{p}", show_progress=False)
-        return torch.cat([tr._batch(k)[1] for k in range(60)])
+        return torch.cat([tr.batches(k).labels for k in range(60)])
 
     plain, dropped = labels(0.0), labels(0.3)
     null = dropped == NULL_LABEL

@@ -170,8 +170,8 @@ def _snapshot_state(tr: Trainer):
 
 @pytest.mark.parametrize("kind, where", [("nan", "loss"), ("inf", "loss"), ("nan", "grad"), ("inf", "grad")])
 def test_nonfinite_skip_leaves_weights_ema_and_optimizer_untouched(tmp_path, capsys, kind, where):
-    cfg = toy_cfg("train.steps=8", "train.ckpt_every=4", "train.nonfinite=skip", "train.fault_steps=[5]",
-                  f"train.fault_kind={kind}", f"train.fault_where={where}", "train.ema_sigma_rels=[0.1]",
+    cfg = toy_cfg("train.steps=8", "train.ckpt_every=4", "train.nonfinite=skip", "debug.fault_steps=[5]",
+                  f"debug.fault_kind={kind}", f"debug.fault_where={where}", "train.ema_sigma_rels=[0.1]",
                   "train.phema_snapshot_every=1")
     tr = Trainer(cfg, tmp_path / "run", show_progress=False)
     tr.fit()  # up to step 8, with the fault at (0-based) step 5
@@ -201,7 +201,7 @@ def test_nonfinite_skip_leaves_weights_ema_and_optimizer_untouched(tmp_path, cap
 
 
 def test_nonfinite_skip_count_survives_resume_and_resume_stays_exact(tmp_path):
-    extra = ("train.ckpt_every=4", "train.nonfinite=skip", "train.fault_steps=[1,6]", "train.fault_where=grad")
+    extra = ("train.ckpt_every=4", "train.nonfinite=skip", "debug.fault_steps=[1,6]", "debug.fault_where=grad")
     Trainer(toy_cfg("train.steps=8", *extra), tmp_path / "full", show_progress=False).fit()
     Trainer(toy_cfg("train.steps=4", *extra), tmp_path / "split", show_progress=False).fit()
     resumed = Trainer(toy_cfg("train.steps=8", *extra), tmp_path / "split", show_progress=False)
@@ -220,7 +220,7 @@ def test_nonfinite_skip_count_survives_resume_and_resume_stays_exact(tmp_path):
 
 def test_nonfinite_too_many_consecutive_skips_stops(tmp_path):
     run = tmp_path / "run"
-    cfg = toy_cfg("train.steps=10", "train.ckpt_every=2", "train.nonfinite=skip", "train.fault_steps=[3,4,5,6]",
+    cfg = toy_cfg("train.steps=10", "train.ckpt_every=2", "train.nonfinite=skip", "debug.fault_steps=[3,4,5,6]",
                   "train.max_consecutive_skips=2")
     with pytest.raises(NonFiniteLossError, match=r"at step 5 after 2 skipped steps in a row "
                                                  r"\(train.max_consecutive_skips=2\)"):
@@ -239,13 +239,13 @@ def test_nonfinite_stop_exits_3_and_keeps_the_last_good_checkpoint(tmp_path, cap
     assert main(base + ["--set", "train.steps=3"]) == 0
     before = fingerprint(run / "checkpoints")
     capsys.readouterr()
-    code = main(base + cli_sets("train.fault_steps=[4]", f"train.fault_kind={kind}", f"train.fault_where={where}"))
+    code = main(base + cli_sets("debug.fault_steps=[4]", f"debug.fault_kind={kind}", f"debug.fault_where={where}"))
     line = one_line(capsys.readouterr().err)
     assert code == EXIT_NONFINITE and needle in line and "train.nonfinite=skip" in line
     assert fingerprint(run / "checkpoints") == before
     assert all(torch.isfinite(t).all() for t in all_saved_tensors(run))
     # The same command with nonfinite=skip resumes from step 3 and gets past the bad step.
-    assert main(base + cli_sets("train.fault_steps=[4]", f"train.fault_kind={kind}", f"train.fault_where={where}",
+    assert main(base + cli_sets("debug.fault_steps=[4]", f"debug.fault_kind={kind}", f"debug.fault_where={where}",
                                 "train.nonfinite=skip")) == 0
     assert read_checkpoint(latest_checkpoint(run / "checkpoints")).state["nonfinite"]["skipped_steps"] == 1
 

@@ -129,7 +129,7 @@ def test_leftover_temp_dir_from_a_killed_write_is_ignored(tmp_path):
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     run = tmp_path / "run"
-    cfg = toy_cfg("train.steps=10", "train.ckpt_every=5", "train.fault_nan_at_step=7")
+    cfg = toy_cfg("train.steps=10", "train.ckpt_every=5", "debug.fault_nan_at_step=7")
     tr = Trainer(cfg, run, show_progress=False)
     with pytest.raises(NonFiniteLossError, match="at step 7"):
         tr.fit()

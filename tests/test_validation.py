@@ -4,7 +4,6 @@ held-out set stored with the run, the base (u-free) EDM loss, config checks."""
 import dataclasses
 import gzip
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 from steadydiff.config import ConfigError, DiffusionConfig, load_config
 from steadydiff.data import ArrayDataset, load_dataset
 from steadydiff.data import fashion_mnist as fm
+from steadydiff.diagnostics.base import RunContext
 from steadydiff.diagnostics.validation import ValidationSet
 from steadydiff.diffusion import VPSDE, EDMFormulation, build_formulation
 from steadydiff.nn import UNet, build_model
@@ -161,21 +161,20 @@ def test_fashion_mnist_validates_on_the_other_split_with_labels(tmp_path, monkey
     monkeypatch.setenv("STEADYDIFF_DATA", str(tmp_path / "fm"))
     cfg = load_config(None, ["data.name=fashion_mnist", f"data.split={split}", "data.max_items=8",
                              "model.num_classes=10"])
-    trainer = SimpleNamespace(cfg=cfg, dataset=load_dataset(cfg.data), diffusion=VPSDE())
+    ctx = RunContext(cfg, load_dataset(cfg.data), VPSDE())
     # max_items limits the training data, not the held-out split: 30 of its 40 images are available.
-    val = ValidationSet.create(trainer, 30, 3, seed=1)
+    val = ValidationSet.create(ctx, 30, 3, seed=1)
     assert val.held_out and val.x0.shape == (30, 1, 28, 28) and torch.all(val.x0 == expect)
     idx = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:30]
     assert torch.equal(val.labels, idx % 10)
     with pytest.raises(ConfigError, match="diagnostics.val_size"):
-        ValidationSet.create(trainer, 41, 3, seed=1)
+        ValidationSet.create(ctx, 41, 3, seed=1)
 
 
 def test_folder_data_validates_on_a_seeded_subset_of_the_training_images():
     cfg = load_config(None, ["data.name=folder", "data.root=unused", "data.resolution=4"])
     ds = ArrayDataset(torch.randn(50, 3, 4, 4), None, 0, "folder")
-    trainer = SimpleNamespace(cfg=cfg, dataset=ds, diffusion=EDMFormulation())
-    val = ValidationSet.create(trainer, 20, 5, seed=3)
+    val = ValidationSet.create(RunContext(cfg, ds, EDMFormulation()), 20, 5, seed=3)
     idx = torch.randperm(50, generator=torch.Generator().manual_seed(3))[:20]
     assert not val.held_out and torch.equal(val.x0, ds.items(idx)) and val.labels is None
     # EDM levels are clipped into (t_eps, 1 - t_eps); bins still hold their levels.

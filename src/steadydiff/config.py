@@ -7,6 +7,8 @@ values outside a field's choices are errors that list what is valid (`ConfigErro
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -113,7 +115,7 @@ class DiffusionConfig:
     # vp: continuous VP-SDE (U-ViT/ScaleLong)
     beta_min: float = 0.1
     beta_max: float = 20.0
-    t_eps: float = 1e-5  # t ~ U(t_eps, 1)
+    t_eps: float = 1e-5  # vp: t ~ U(t_eps, 1); edm: the normalised level s ~ U(t_eps, 1 - t_eps)
     # edm: EDM preconditioning and EDM2 loss (defaults: EDM2's ImageNet-64 RGB setting)
     sigma_data: float = 0.5
     p_mean: float = -0.8  # ln sigma ~ N(p_mean, p_std^2) in training
@@ -127,8 +129,14 @@ class DiffusionConfig:
         if (self.sigma_data <= 0 or self.p_std <= 0 or not 0 < self.sigma_min < self.sigma_max
                 or self.rho <= 0):
             raise ConfigError("diffusion: need sigma_data > 0, p_std > 0, 0 < sigma_min < sigma_max and rho > 0")
-        if not 0 < self.t_eps < 1:
-            raise ConfigError(f"diffusion.t_eps: must be in (0, 1), got {self.t_eps}")
+        if not 0 < self.t_eps < (0.5 if self.kind == "edm" else 1):  # EDM draws s ~ U(t_eps, 1 - t_eps)
+            raise ConfigError(f"diffusion.t_eps: must be in (0, {0.5 if self.kind == 'edm' else 1}) for "
+                              f"diffusion.kind={self.kind}, got {self.t_eps}")
+
+
+# The supremum of a power-function EMA's relative width sigma_rel = sqrt((g+1) / ((g+2)^2 (g+3))) over
+# exponents g >= 0 (EDM2 Eq. 123, attained at g = 0): 1/sqrt(12). `train/phema.py` solves Eq. 126 below it.
+SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
 
 
 @dataclass
@@ -185,10 +193,6 @@ class TrainConfig:
     # (no weight, EMA or optimiser change; the step still counts), counted as skipped_steps in metrics.jsonl.
     nonfinite: Literal["stop", "skip"] = resumable("stop")
     max_consecutive_skips: int = resumable(10)  # nonfinite=skip: stop when one more step in a row would skip
-    fault_nan_at_step: int | None = resumable(None)  # testing: make the loss NaN at this step
-    fault_steps: list[int] = resumable(default_factory=list)  # testing: inject a fault at these (0-based) steps
-    fault_kind: Literal["nan", "inf"] = resumable("nan")  # testing: the value injected at fault_steps
-    fault_where: Literal["loss", "grad"] = resumable("loss")  # testing: into the loss, or into one gradient
 
     def check(self) -> None:
         _positive("train", steps=self.steps, batch_size=self.batch_size, grad_accum=self.grad_accum,
@@ -196,9 +200,9 @@ class TrainConfig:
                   sample_n=self.sample_n, sample_steps=self.sample_steps, lr_ref_steps=self.lr_ref_steps)
         if self.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
-        if any(not 0 < s < 0.2887 for s in self.ema_sigma_rels):
-            raise ConfigError(f"train.ema_sigma_rels: each must be in (0, 0.2887) (EDM2 Eq. 126), got "
-                              f"{self.ema_sigma_rels}")
+        if any(not 0 < s < SIGMA_REL_MAX for s in self.ema_sigma_rels):
+            raise ConfigError(f"train.ema_sigma_rels: each must be in (0, {SIGMA_REL_MAX:.4f}) (1/sqrt(12), EDM2 "
+                              f"Eq. 123), got {self.ema_sigma_rels}")
         if not 0 < self.clts_sigma or not 0 <= self.clts_mu <= 1:
             raise ConfigError(f"train.clts_mu must be in [0, 1] and train.clts_sigma > 0, got {self.clts_mu}, "
                               f"{self.clts_sigma}")
@@ -230,9 +234,6 @@ class TrainConfig:
             raise ConfigError(f"train.threads: must be >= 1 or null (torch's default), got {self.threads}")
         if self.max_consecutive_skips < 1:
             raise ConfigError(f"train.max_consecutive_skips: must be >= 1, got {self.max_consecutive_skips}")
-        faults = self.fault_steps + ([] if self.fault_nan_at_step is None else [self.fault_nan_at_step])
-        if any(k < 0 for k in faults):
-            raise ConfigError(f"train.fault_steps / train.fault_nan_at_step: steps must be >= 0, got {faults}")
         if self.phema_snapshot_every < 0:
             raise ConfigError(f"train.phema_snapshot_every: must be >= 0, got {self.phema_snapshot_every}")
         if not 0 <= self.ema_decay < 1:
@@ -277,12 +278,32 @@ class DiagnosticsConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Fault injection for tests and soak runs (`train/faults.py`): never needed to train a model."""
+
+    fault_nan_at_step: int | None = None  # make the loss NaN at this (0-based) step
+    fault_steps: list[int] = field(default_factory=list)  # inject a fault at these (0-based) steps
+    fault_kind: Literal["nan", "inf"] = "nan"  # the value injected at fault_steps
+    fault_where: Literal["loss", "grad"] = "loss"  # into the loss, or into one gradient entry
+
+    def check(self) -> None:
+        faults = self.fault_steps + ([] if self.fault_nan_at_step is None else [self.fault_nan_at_step])
+        if any(k < 0 for k in faults):
+            raise ConfigError(f"debug.fault_steps / debug.fault_nan_at_step: steps must be >= 0, got {faults}")
+
+
+# Keys that moved; a config that still uses the old name works, with one deprecation line.
+MOVED_KEYS = {f"train.{k}": f"debug.{k}" for k in ("fault_nan_at_step", "fault_steps", "fault_kind", "fault_where")}
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     diagnostics: DiagnosticsConfig = resumable(default_factory=DiagnosticsConfig)  # monitors only
+    debug: DebugConfig = resumable(default_factory=DebugConfig)  # fault injection (tests, soak runs)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -377,11 +398,35 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return obj
 
 
+_warned_moves: set[str] = set()
+
+
+def _move_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `data` with every key of MOVED_KEYS under its new name, saying so once per key on stderr."""
+    if not isinstance(data, dict):
+        return data  # `_build` names what is wrong with it
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for old, new in MOVED_KEYS.items():
+        (sec, key), (new_sec, new_key) = old.split("."), new.split(".")
+        if not (isinstance(data.get(sec), dict) and key in data[sec]):
+            continue
+        target = data.setdefault(new_sec, {})
+        if not isinstance(target, dict):
+            continue  # `_build` names the malformed section
+        if new_key in target:
+            raise ConfigError(f"{old} and {new} are both set; keep {new} only")
+        target[new_key] = data[sec].pop(key)
+        if old not in _warned_moves:
+            _warned_moves.add(old)
+            print(f"steadydiff: warning: config key {old} is deprecated; use {new}", file=sys.stderr)
+    return data
+
+
 def config_from_dict(data: dict[str, Any] | None) -> Config:
-    """A validated Config: types and choices per field, then each section's `check()`, then the rules
-    that span sections (`Config.check`)."""
-    cfg = _build(Config, data or {}, "")
-    for section in (cfg.data, cfg.model, cfg.diffusion, cfg.train, cfg.diagnostics, cfg):
+    """A validated Config: moved keys renamed, types and choices per field, then each section's `check()`, then
+    the rules that span sections (`Config.check`)."""
+    cfg = _build(Config, _move_keys(data or {}), "")
+    for section in (cfg.data, cfg.model, cfg.diffusion, cfg.train, cfg.diagnostics, cfg.debug, cfg):
         section.check()
     return cfg
 

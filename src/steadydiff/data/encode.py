@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from .base import DataError
-from .build import Source, build_store
+from .build import build_store
 from .latent import SCALE
+from .sources import Source
 from .store import open_store
 
 

@@ -25,7 +25,6 @@ import hashlib
 import http.client
 import logging
 import os
-import tempfile
 import urllib.request
 import warnings
 import zlib
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..utils.io import atomic_write
 from .base import ArrayDataset, DataError
 
 log = logging.getLogger(__name__)
@@ -168,10 +168,9 @@ def download_verified(url: str, dest: Path, sha256: str, timeout: float = DOWNLO
     http.client.HTTPException; a hash mismatch raises DataError.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as response:
+
+    def fetch_and_check(tmp: Path) -> None:
+        with open(tmp, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as response:
             while chunk := response.read(1 << 20):
                 f.write(chunk)
         got = payload_sha256(tmp)
@@ -181,9 +180,8 @@ def download_verified(url: str, dest: Path, sha256: str, timeout: float = DOWNLO
                 f"expected {sha256}); "
                 f"retry later, {_APT}, or {_ENV}"
             )
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    atomic_write(dest, fetch_and_check)
     return dest
 
 

@@ -27,7 +27,7 @@ from PIL import Image, ImageOps, features
 
 from .base import ArrayDataset, DataError
 
-_GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
+GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
 
 
 def image_extensions() -> tuple[str, ...]:
@@ -37,17 +37,17 @@ def image_extensions() -> tuple[str, ...]:
     return tuple(exts)
 
 
-def _hidden(name: str) -> bool:
+def is_hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-def _list_images(directory: Path, exts: tuple[str, ...]) -> list[Path]:
+def list_images(directory: Path, exts: tuple[str, ...]) -> list[Path]:
     """Image files under `directory`, recursively, sorted by relative path."""
     found = []
     for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not _hidden(d)]
+        dirnames[:] = [d for d in dirnames if not is_hidden(d)]
         for f in filenames:
-            if not _hidden(f) and f.lower().endswith(exts):
+            if not is_hidden(f) and f.lower().endswith(exts):
                 found.append(Path(dirpath) / f)
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
@@ -80,7 +80,7 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def _resize_crop(img: Image.Image, resolution: int) -> Image.Image:
+def resize_crop(img: Image.Image, resolution: int) -> Image.Image:
     w, h = img.size
     scale = resolution / min(w, h)
     nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
@@ -90,16 +90,16 @@ def _resize_crop(img: Image.Image, resolution: int) -> Image.Image:
     return img.crop((left, top, left + resolution, top + resolution))
 
 
-def _load_one(path, resolution: int, name: str | None = None) -> tuple[np.ndarray, bool]:
+def load_image(path, resolution: int, name: str | None = None) -> tuple[np.ndarray, bool]:
     """(uint8 array (R, R) for grayscale or (R, R, 3) for colour, is_gray) of an image file or file object;
     `name` is what errors call it (default: the path)."""
     try:
         with Image.open(path) as opened:
             opened.load()
             img = ImageOps.exif_transpose(opened)
-            gray = img.mode in _GRAY_MODES
+            gray = img.mode in GRAY_MODES
             img = _to_gray_l(img) if gray else _to_rgb(img)
-            img = _resize_crop(img, resolution)
+            img = resize_crop(img, resolution)
             return np.asarray(img, dtype=np.uint8), gray
     except MemoryError:
         raise
@@ -109,15 +109,15 @@ def _load_one(path, resolution: int, name: str | None = None) -> tuple[np.ndarra
         ) from e
 
 
-def _class_folders(root: Path, exts: tuple[str, ...]) -> tuple[list[str], list[Path], list[int]]:
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not _hidden(p.name))
+def class_folders(root: Path, exts: tuple[str, ...]) -> tuple[list[str], list[Path], list[int]]:
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not is_hidden(p.name))
     if not classes:
         raise DataError(
             f"data.labels=true but {root} has no class sub-folders; put images in {root}/<class_name>/ "
             "or set data.labels=false"
         )
     loose = sorted(
-        p for p in root.iterdir() if p.is_file() and not _hidden(p.name) and p.name.lower().endswith(exts)
+        p for p in root.iterdir() if p.is_file() and not is_hidden(p.name) and p.name.lower().endswith(exts)
     )
     if loose:
         raise DataError(
@@ -127,7 +127,7 @@ def _class_folders(root: Path, exts: tuple[str, ...]) -> tuple[list[str], list[P
     files: list[Path] = []
     labels: list[int] = []
     for index, name in enumerate(classes):
-        found = _list_images(root / name, exts)
+        found = list_images(root / name, exts)
         if not found:
             raise DataError(
                 f"class folder {root / name} holds no images ({', '.join(exts)}); "
@@ -156,9 +156,9 @@ def load_folder(
     exts = image_extensions()
     class_names: list[str] | None = None
     if labels:
-        class_names, files, label_list = _class_folders(base, exts)
+        class_names, files, label_list = class_folders(base, exts)
     else:
-        files, label_list = _list_images(base, exts), []
+        files, label_list = list_images(base, exts), []
     if not files:
         raise DataError(
             f"no images ({', '.join(exts)}) found under data.root={root}; add images or fix data.root"
@@ -166,7 +166,7 @@ def load_folder(
     if max_items is not None:
         files, label_list = files[:max_items], label_list[:max_items]
 
-    arrays, grays = zip(*(_load_one(p, resolution) for p in files))
+    arrays, grays = zip(*(load_image(p, resolution) for p in files))
     if all(grays):
         stacked = np.stack(arrays)[:, None]  # (N, 1, R, R)
     else:

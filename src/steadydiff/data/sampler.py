@@ -1,4 +1,4 @@
-"""A resumable, seeded, infinite stream of dataset indices, and batch assembly."""
+"""A resumable, seeded, infinite stream of dataset indices, batch assembly, and fixed seeded subsets."""
 
 from __future__ import annotations
 
@@ -93,3 +93,17 @@ def get_batch(
             )
         x = torch.where(flips.to(x.device)[:, None, None, None], x.flip(-1), x)
     return x, labels
+
+
+def fixed_subset(ds: ArrayDataset, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(items, labels) of the first `n` examples of a permutation drawn from `generator`: the one way a fixed
+    set (probe batch, validation set, reference images, diagnostics batch) is chosen. The generator advances by
+    exactly one `randperm`, so callers can keep drawing their own quantities from it afterwards."""
+    idx = torch.randperm(len(ds), generator=generator)[:n]
+    return ds.items(idx), None if ds.labels is None else ds.labels[idx]
+
+
+def model_labels(labels: torch.Tensor | None, num_classes: int) -> torch.Tensor | None:
+    """The labels a model is called with: the data's labels for a class-conditional model
+    (`model.num_classes > 0`), None for an unconditional one (even when the data has labels)."""
+    return labels if (labels is not None and num_classes) else None

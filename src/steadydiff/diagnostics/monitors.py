@@ -27,8 +27,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ..data import fixed_subset, model_labels
 from ..utils.io import atomic_write
-from .base import Monitor  # re-exported: the trainer and subclasses import it from here
+from .base import Monitor, RunContext  # re-exported: the trainer and subclasses import them from here
 from .theory import decoder_blocks
 from .validation import ValidationMonitor, ValidationSet
 
@@ -62,11 +63,11 @@ class GradNormMonitor(Monitor):
 
     _groups: OrderedDict[str, list[nn.Parameter]] | None = None
 
-    def after_backward(self, trainer, step: int) -> dict[str, float]:
+    def after_backward(self, ctx: RunContext, step: int) -> dict[str, float]:
         if not self.due(step):
             return {}
         if self._groups is None:  # the grouping never changes: compute it once, not every step
-            self._groups = block_groups(trainer.model)
+            self._groups = block_groups(ctx.model)
         per_block = []
         for params in self._groups.values():
             grads = [p.grad.detach().float() for p in params if p.grad is not None]
@@ -79,12 +80,12 @@ class GradNormMonitor(Monitor):
 
 
 class UpdateRatioMonitor(Monitor):
-    def before_step(self, trainer, step: int) -> None:
-        self._before = {k: [p.detach().clone() for p in ps] for k, ps in block_groups(trainer.model).items()}
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        self._before = {k: [p.detach().clone() for p in ps] for k, ps in block_groups(ctx.model).items()}
 
-    def after_step(self, trainer, step: int) -> dict[str, float]:
+    def after_step(self, ctx: RunContext, step: int) -> dict[str, float]:
         out = {}
-        for key, params in block_groups(trainer.model).items():
+        for key, params in block_groups(ctx.model).items():
             before = self._before[key]
             norm = _norm(before)
             if norm > 0:  # undefined for all-zero blocks (zero-initialised output layers at step 0)
@@ -100,22 +101,20 @@ class ProbeBatch:
         self.x0, self.t, self.noise, self.labels = x0, t, noise, labels
 
     @classmethod
-    def create(cls, trainer, size: int, seed: int) -> ProbeBatch:
+    def create(cls, ctx: RunContext, size: int, seed: int) -> ProbeBatch:
         g = torch.Generator().manual_seed(seed)
-        ds = trainer.dataset
-        idx = torch.randperm(len(ds), generator=g)[:size]
-        x0 = ds.items(idx).clone()
-        labels = ds.labels[idx].clone() if (ds.labels is not None and trainer.cfg.model.num_classes) else None
-        t = trainer.diffusion.sample_t(len(idx), generator=g, device="cpu")
+        x0, labels = fixed_subset(ctx.dataset, size, g)
+        labels = model_labels(labels, ctx.cfg.model.num_classes)
+        t = ctx.formulation.sample_t(len(x0), generator=g, device="cpu")
         noise = torch.randn(x0.shape, generator=g)
         return cls(x0, t, noise, labels)
 
     @classmethod
-    def load_or_create(cls, path: Path, trainer, size: int, seed: int) -> ProbeBatch:
+    def load_or_create(cls, path: Path, ctx: RunContext, size: int, seed: int) -> ProbeBatch:
         if path.exists():
             d = load_file(str(path))
             return cls(d["x0"], d["t"], d["noise"], d.get("labels"))
-        probe = cls.create(trainer, size, seed)
+        probe = cls.create(ctx, size, seed)
         tensors = {"x0": probe.x0, "t": probe.t, "noise": probe.noise}
         if probe.labels is not None:
             tensors["labels"] = probe.labels
@@ -173,12 +172,12 @@ class ProbeMonitor(Monitor):
         super().__init__(every)
         self.probe = probe
 
-    def after_step(self, trainer, step: int) -> dict[str, float]:
-        loss, feats, skips = probe_forward(trainer.model, trainer.diffusion, self.probe)
+    def after_step(self, ctx: RunContext, step: int) -> dict[str, float]:
+        loss, feats, skips = probe_forward(ctx.model, ctx.formulation, self.probe)
         out = {"probe/loss": float(loss.mean())}
         out.update(_norm_stats("probe/feat", feats))
         out.update(_norm_stats("probe/skip", skips))
-        scaling = getattr(trainer.model, "skip_scaling", None)
+        scaling = getattr(ctx.model, "skip_scaling", None)
         if scaling is not None:
             for i, c in enumerate(scaling.coefficients()):
                 out[f"probe/kappa/{i}"] = c
@@ -191,8 +190,8 @@ class MagnitudeMonitor(Monitor):
         self.probe = probe
 
     @torch.no_grad()
-    def after_step(self, trainer, step: int) -> dict[str, float]:
-        model = trainer.model
+    def after_step(self, ctx: RunContext, step: int) -> dict[str, float]:
+        model = ctx.model
         groups = block_groups(model)
         acts: dict[str, Tensor] = {}
         handles = []
@@ -203,7 +202,7 @@ class MagnitudeMonitor(Monitor):
         was_training = model.training
         model.eval()
         try:
-            trainer.diffusion.loss(model, self.probe.x0, self.probe.labels, t=self.probe.t, noise=self.probe.noise)
+            ctx.formulation.loss(model, self.probe.x0, self.probe.labels, t=self.probe.t, noise=self.probe.noise)
         finally:
             for h in handles:
                 h.remove()
@@ -218,17 +217,17 @@ class MagnitudeMonitor(Monitor):
         return out
 
 
-def build_monitors(d, trainer, run_dir: Path) -> list[Monitor]:
+def build_monitors(d, ctx: RunContext, run_dir: Path) -> list[Monitor]:
     """The monitors a DiagnosticsConfig `d` turns on (interval 0 = off); the probe batch and the validation
     set are stored in `run_dir/probe.safetensors` and `run_dir/val.safetensors` so that a resumed run
     measures the same examples."""
     monitors: list[Monitor] = [GradNormMonitor(d.grad_every), UpdateRatioMonitor(d.update_every)]
     if d.probe_every or d.magnitude_every:
-        probe = ProbeBatch.load_or_create(run_dir / "probe.safetensors", trainer, d.probe_size,
-                                          d.probe_seed).to(trainer.device)
+        probe = ProbeBatch.load_or_create(run_dir / "probe.safetensors", ctx, d.probe_size,
+                                          d.probe_seed).to(ctx.device)
         monitors += [ProbeMonitor(d.probe_every, probe), MagnitudeMonitor(d.magnitude_every, probe)]
     if d.val_every:
-        val = ValidationSet.load_or_create(run_dir / "val.safetensors", trainer, d.val_size, d.val_bins,
-                                           d.val_seed).to(trainer.device)
+        val = ValidationSet.load_or_create(run_dir / "val.safetensors", ctx, d.val_size, d.val_bins,
+                                           d.val_seed).to(ctx.device)
         monitors.append(ValidationMonitor(d.val_every, val, d.val_batch))
     return [m for m in monitors if m.every > 0]

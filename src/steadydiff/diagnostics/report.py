@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..data import fixed_subset, model_labels
 from ..runs.metrics_log import read_metrics, series
 from ..utils.io import atomic_write, atomic_write_text
 from .stats import oscillation_summary
@@ -39,10 +40,7 @@ def _load_run(run_dir: Path):
 
 
 def _fixed_batch(ds, n: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(len(ds), generator=g)[:n]
-    labels = ds.labels[idx] if ds.labels is not None else None
-    return ds.items(idx), labels
+    return fixed_subset(ds, n, torch.Generator().manual_seed(seed))
 
 
 def _sensitivity(model, sde, x0, labels, num_classes: int, method: str = "ratio") -> dict[str, float]:
@@ -50,7 +48,7 @@ def _sensitivity(model, sde, x0, labels, num_classes: int, method: str = "ratio"
     samples: it costs ~20 JVP/VJP pairs per t) at each t of SENSITIVITY_TS."""
     from .sensitivity import sensitivity_vs_t
 
-    lab = labels if num_classes else None
+    lab = model_labels(labels, num_classes)
     if method == "jacobian":
         x0, lab = x0[:8], None if lab is None else lab[:8]
     res = sensitivity_vs_t(model, sde, x0, SENSITIVITY_TS, labels=lab, method=method,

@@ -21,8 +21,8 @@ runs that train with different weightings are measured with one yardstick. Its m
 is a stratified estimate of E_s[L_base(s)] over s ~ U(0, 1), i.e. of the base training loss under the base
 noise-level distribution.
 
-`ValidationMonitor` evaluates it every `diagnostics.val_every` steps on `trainer.model` and
-`trainer.ema.model`, in eval mode (no dropout) without gradients, in float32 and in chunks of
+`ValidationMonitor` evaluates it every `diagnostics.val_every` steps on the run's model and its EMA copy
+(`RunContext.model`, `RunContext.ema_model`), in eval mode (no dropout) without gradients, in float32 and in chunks of
 `diagnostics.val_batch`, and logs `val/loss`, `val/ema_loss` (means over the whole set, accumulated in
 float64) and per stratum `val/loss/bin{k}`, `val/ema_loss/bin{k}`. It draws no random numbers and changes
 no state the training step uses, so a run's trajectory is bit-identical with and without it.
@@ -38,10 +38,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..data import ArrayDataset, load_dataset
+from ..data import ArrayDataset, fixed_subset, load_dataset, model_labels
 from ..utils.errors import ConfigError
 from ..utils.io import atomic_write
-from .base import Monitor
+from .base import Monitor, RunContext
 
 # Datasets with a second split to hold out (the others validate on a subset of the training data).
 HELD_OUT_DATASETS = ("fashion_mnist", "toy2d")
@@ -88,27 +88,26 @@ class ValidationSet:
         return int(self.x0.shape[0])
 
     @classmethod
-    def create(cls, trainer, size: int, num_bins: int, seed: int) -> ValidationSet:
+    def create(cls, ctx: RunContext, size: int, num_bins: int, seed: int) -> ValidationSet:
         """Draw the set: permutation of the source, then the in-bin uniforms, then the noise, all from one
         generator seeded with `seed` (never the training RNG)."""
         if not 1 <= num_bins <= size:
             raise ConfigError(f"diagnostics.val_size ({size}) must be >= diagnostics.val_bins ({num_bins}) >= 1")
-        ds, held_out = validation_source(trainer.cfg, trainer.dataset)
+        ds, held_out = validation_source(ctx.cfg, ctx.dataset)
         if size > len(ds):
             raise ConfigError(f"diagnostics.val_size={size} exceeds the {len(ds)} examples of {ds.name} (the "
                               f"validation source); set diagnostics.val_size <= {len(ds)}")
         g = torch.Generator().manual_seed(seed)
-        idx = torch.randperm(len(ds), generator=g)[:size]
-        x0 = ds.items(idx).clone()
-        labels = ds.labels[idx].clone() if (ds.labels is not None and trainer.cfg.model.num_classes) else None
+        x0, labels = fixed_subset(ds, size, g)
+        labels = model_labels(labels, ctx.cfg.model.num_classes)
         bins = torch.arange(size, dtype=torch.int64) % num_bins
         u = torch.rand(size, generator=g, dtype=torch.float64)
-        s = stratified_levels(bins, u, num_bins, *level_range(trainer.diffusion))
+        s = stratified_levels(bins, u, num_bins, *level_range(ctx.formulation))
         noise = torch.randn(x0.shape, generator=g)
         return cls(x0, s, noise, bins, labels, num_bins, ds.name, held_out)
 
     @classmethod
-    def load_or_create(cls, path: Path, trainer, size: int, num_bins: int, seed: int) -> ValidationSet:
+    def load_or_create(cls, path: Path, ctx: RunContext, size: int, num_bins: int, seed: int) -> ValidationSet:
         """The set stored at `path`, or a new one written there (atomically). A stored set drawn with another
         size, number of bins or seed is an error: a run's validation curve is over one set."""
         path = Path(path)
@@ -125,7 +124,7 @@ class ValidationSet:
             d = load_file(str(path))
             return cls(d["x0"], d["s"], d["noise"], d["bin"], d.get("labels"), num_bins, meta.get("source", ""),
                        meta.get("held_out", "true") == "true")
-        val = cls.create(trainer, size, num_bins, seed)
+        val = cls.create(ctx, size, num_bins, seed)
         tensors = {"x0": val.x0, "s": val.s, "noise": val.noise, "bin": val.bin}
         if val.labels is not None:
             tensors["labels"] = val.labels
@@ -180,9 +179,9 @@ class ValidationMonitor(Monitor):
         self.val = val
         self.batch = batch
 
-    def after_step(self, trainer, step: int) -> dict[str, float]:
+    def after_step(self, ctx: RunContext, step: int) -> dict[str, float]:
         out = {}
-        for prefix, model in (("val/loss", trainer.model), ("val/ema_loss", trainer.ema.model)):
-            losses = validation_losses(model, trainer.diffusion, self.val, self.batch)
+        for prefix, model in (("val/loss", ctx.model), ("val/ema_loss", ctx.ema_model)):
+            losses = validation_losses(model, ctx.formulation, self.val, self.batch)
             out.update(summarize(prefix, losses, self.val.bin, self.val.num_bins))
         return out

@@ -105,7 +105,7 @@ class EDMFormulation:
     @classmethod
     def from_config(cls, cfg) -> EDMFormulation:
         return cls(cfg.sigma_data, cfg.p_mean, cfg.p_std, cfg.sigma_min, cfg.sigma_max, cfg.rho,
-                   cfg.learn_uncertainty)
+                   cfg.learn_uncertainty, cfg.t_eps)
 
     def sigma_of_input(self, sigma: Tensor) -> Tensor:
         """The sampler calls the denoiser with sigma itself (the level a guidance interval is given in)."""

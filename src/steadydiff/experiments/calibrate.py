@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -53,14 +52,15 @@ def _eval_values(loaded, name: str, n: int, reference_n: int, repeats: int) -> t
 
 def _val_values(loaded, key: str, size: int, reference_n: int, repeats: int) -> tuple[list[float], float]:
     from ..data import load_dataset
+    from ..diagnostics.base import RunContext
     from ..diagnostics.validation import ValidationSet, summarize, validation_losses
 
     cfg = loaded.cfg
     d = cfg.diagnostics
-    host = SimpleNamespace(cfg=cfg, dataset=load_dataset(cfg.data), diffusion=loaded.formulation)
+    ctx = RunContext(cfg, load_dataset(cfg.data), loaded.formulation, loaded.model)
 
     def one(n: int, seed: int) -> float:
-        val = ValidationSet.create(host, n, d.val_bins, seed)
+        val = ValidationSet.create(ctx, n, d.val_bins, seed)
         return summarize("v", validation_losses(loaded.model, loaded.formulation, val, d.val_batch), val.bin,
                          val.num_bins)["v"]
 

@@ -1,8 +1,9 @@
 """Exponential moving average of the weights, with the usual decay warm-up.
 
 The trainer keeps a list of weight averagers (this EMA, and the power-function EMAs of `train/phema.py`
-when train.ema_sigma_rels is set) and calls each the same way after every optimiser step:
-`update(model, step)` with `step` the 1-based number of the step just taken.
+when train.ema_sigma_rels is set) with one interface: `update(model, step)` after every optimiser step, with
+`step` the 1-based number of the step just taken; `state_dict()` and `load_state_dict(state)` for checkpoints
+(`train/state.py`).
 """
 
 from __future__ import annotations
@@ -39,3 +40,10 @@ class EMA:
         torch._foreach_lerp_(ema_p, src_p, 1.0 - d)
         for b_ema, b in zip(self.model.buffers(), model.buffers()):
             b_ema.copy_(b)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged weights (the checkpoint's ema.safetensors)."""
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)

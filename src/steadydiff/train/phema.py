@@ -25,7 +25,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +35,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..config import SIGMA_REL_MAX  # 1/sqrt(12), the supremum of sigma_rel (Eq. 123)
+from ..utils.io import atomic_write
+
 __all__ = [
     "SIGMA_REL_MAX", "PowerEMA", "Snapshot", "gamma_to_sigma_rel", "list_snapshots", "power_ema_beta",
     "profile_inner", "reconstruct", "sigma_rel_to_gamma", "snapshot_name", "solve_phema",
 ]
 
-#: Supremum of sigma_rel over gamma > 0 (attained at gamma = 0): 1/sqrt(12) = 0.28867...
-SIGMA_REL_MAX = 1.0 / math.sqrt(12.0)
 
 _NAME_RE = re.compile(r"^phema-(\d+)-(\d+(?:\.\d+)?)\.safetensors$")
 _FORMAT = "steadydiff-phema-1"
@@ -285,8 +285,8 @@ class PowerEMA:
 
         Contents: the averaged parameters and the given ``buffers`` (e.g. ``dict(model.named_buffers())``), floating
         tensors cast to ``dtype`` (fp16 by default). Metadata: ``step``, ``sigma_rel``, ``gamma`` (as strings) and
-        the JSON list of buffer names. Each file is written to a temporary name in the same directory and then
-        moved into place with ``os.replace``, so readers never see a partial file.
+        the JSON list of buffer names. Each file is written atomically (`utils.io.atomic_write`: a temporary name,
+        fsync, rename), so readers never see a partial file and a crash never leaves one.
         """
         step = int(step)
         if step < 0:
@@ -305,15 +305,7 @@ class PowerEMA:
             meta = {"format": _FORMAT, "step": str(step), "sigma_rel": repr(sigma_rel), "gamma": repr(gamma),
                     "buffers": json.dumps(sorted(buf))}
             path = directory / snapshot_name(step, sigma_rel)
-            fd, tmp = tempfile.mkstemp(prefix=".phema-", suffix=".tmp", dir=directory)
-            os.close(fd)
-            try:
-                save_file(tensors, tmp, metadata=meta)
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            atomic_write(path, lambda p, tensors=tensors, meta=meta: save_file(tensors, str(p), metadata=meta))
             paths.append(path)
         return paths
 
