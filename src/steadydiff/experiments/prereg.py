@@ -1,7 +1,8 @@
 """Pre-registration, enforced by the tool: the first `compare` run of an experiment records a hash of its
 design (arms, seeds, metric, shared overrides, base config) and of every claim in OUT/preregistration.json,
 before anything trains. Later reports compare the experiment file with that record: a claim added or changed
-afterwards, or any claim after the design changed, is marked "post hoc" in the report, by the tool."""
+afterwards, or any claim after the design changed, is marked "post hoc" in the report, by the tool. A record is
+only written into an OUT that holds no run yet."""
 
 from __future__ import annotations
 
@@ -38,13 +39,23 @@ def claim_hash(claim: Claim) -> str:
     return _digest(fields)
 
 
+def existing_runs(out: Path) -> list[Path]:
+    """Run directories already in OUT (`OUT/runs/<arm>/<run>/`, finished or not)."""
+    runs = Path(out) / "runs"
+    return sorted(p for p in runs.glob("*/*") if p.is_dir()) if runs.is_dir() else []
+
+
 def record(exp: Experiment, out: Path) -> bool:
-    """Write OUT/preregistration.json unless it exists; True when written now."""
+    """Write OUT/preregistration.json unless it exists; True when written now.
+
+    Only before anything has trained: when OUT already holds a run of any experiment (a copied or cleaned
+    OUT, a record deleted after the results were read), no record is written, so claims written after seeing
+    results can never read "pre-registered" (they stay "not recorded"). The record keeps the run count it saw."""
     path = Path(out) / FILE
-    if path.exists():
+    if path.exists() or existing_runs(out):
         return False
     rec = {"experiment": exp.name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "design": design_hash(exp), "claims": {c.name: claim_hash(c) for c in exp.claims}}
+           "design": design_hash(exp), "claims": {c.name: claim_hash(c) for c in exp.claims}, "runs_at_record": 0}
     atomic_write_text(path, json.dumps(rec, indent=1) + "\n")
     return True
 
