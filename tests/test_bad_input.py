@@ -302,7 +302,7 @@ CLI_CASES = [
     C("train-missing-out", ["train", *TOY], "the following arguments are required: --out"),
     C("unknown-command", ["fly"], "invalid choice"),
     C("eval-missing-run", ["eval", "{R}/nope", "--metric", "sw", "--n", "8"], "pass the --out of a train run"),
-    C("eval-unknown-metric", ["eval", "{R}/run", "--metric", "bogus", "--n", "8"], "choose from"),
+    C("eval-unknown-metric", ["eval", "{R}/run", "--metric", "bogus", "--n", "8"], "choose one of fd_fmnist"),
     C("eval-out-is-a-directory", ["eval", "{R}/run", "--metric", "sw", "--n", "8", "--out", "{R}/img"],
       "give a file name such as"),
     C("convert-missing-input", ["convert", "uvit-official", "{R}/nope.pth", "--out", "{R}/conv", "--num-heads", "2"],

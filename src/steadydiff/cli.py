@@ -385,8 +385,17 @@ def _count(text: str) -> int:
     return value
 
 
+def load_registries() -> None:
+    """Import every module that fills a registry (`utils/registry.py`), so that the choices and help below list
+    every entry and configs loaded after this are checked against all of them."""
+    from . import diffusion, experiments, metrics, nn, train  # noqa: F401
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .diffusion import SAMPLER_NAMES
+    """The parser; its choices and help texts are read from the registries (a new entry shows up here)."""
+    load_registries()
+    from .diffusion import sampler_help, sampler_names
+    from .metrics import METRICS
 
     p = _Parser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -402,8 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="draw samples from a trained run into a PNG")
     s.add_argument("run", help="run directory (or a checkpoint directory inside it)")
     s.add_argument("--n", type=_count, default=64)
-    s.add_argument("--sampler", choices=SAMPLER_NAMES,
-                   help="vp: em | ddim | dpmpp2m; edm: heun | euler (default: the run's train.sample_sampler)")
+    s.add_argument("--sampler", choices=sampler_names(),
+                   help=f"{sampler_help()} (default: the run's train.sample_sampler)")
     s.add_argument("--steps", type=_count, default=50)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG file to write")
@@ -414,13 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_guidance_args(s, sweep="")
     s.set_defaults(func=_cmd_sample)
 
-    e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, "
-                       "class_acc, sw, mmd)")
+    e = sub.add_parser("eval", help=f"sample a run and score it ({', '.join(METRICS)})")
     e.add_argument("run", help="run directory (or a phema output directory)")
-    e.add_argument("--metric", default="fd_fmnist", help="comma-separated metrics, e.g. fd_fmnist,kid,fid")
+    e.add_argument("--metric", default="fd_fmnist", help=f"comma-separated metrics: {', '.join(METRICS)}")
     e.add_argument("--n", "--num-samples", dest="n", type=_count, default=5000,
                    help="number of samples (under torchrun write --num-samples: torchrun reads --n as its own)")
-    e.add_argument("--sampler", choices=SAMPLER_NAMES)
+    e.add_argument("--sampler", choices=sampler_names(),
+                   help=f"{sampler_help()} (default: the run's train.sample_sampler)")
     e.add_argument("--steps", type=_count, default=50)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--batch", type=_count, default=256, help="samples per chunk; each chunk has its own seed, and "
