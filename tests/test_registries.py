@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
 
 import pytest
 import torch
@@ -275,3 +276,54 @@ def test_a_claim_kind_judges_its_ratios():
     out = judge(Claim("a lower", "a", "final"), {"arms": arms, "baseline": "base", "lower_is_better": True})
     assert out["per_seed"] == [0.5, 0.4, 0.6] and out["claim"] == "less" and out["kind"] == "final"
     assert math.isclose(out["value"], (0.5 * 0.4 * 0.6) ** (1 / 3))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CLI catches the error root only: a bug keeps its traceback
+
+
+def test_a_bug_is_not_turned_into_a_one_line_error(monkeypatch, tmp_path):
+    import steadydiff.cli as cli
+
+    def buggy(args):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(cli, "_cmd_diagnose", buggy)
+    with pytest.raises(ValueError, match="a bug"):
+        main(["diagnose", "--out", str(tmp_path)])
+
+
+# Errors raised inside the nn and diffusion layers (torch's own GroupNorm error among them) that the CLI once caught
+# as any ValueError.
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.channels=6", "model.num_heads=2", "model.channel_mult=[1,2,2]"], "GroupNorm cannot split"),
+    (["model.channels=8", "model.num_heads=3"], "divisible by model.num_heads"),
+    (["model.backbone=edm2", "model.channels=8", "model.channels_per_head=3"], "model.channels_per_head"),
+    (["diffusion.beta_min=-1"], "the VP-SDE needs 0 <= beta_min"),
+])
+def test_a_bad_model_or_formulation_setting_is_a_config_error(overrides, needle):
+    from steadydiff.diffusion import build_formulation
+
+    cfg = load_config(None, ["model.channel_mult=[1]", "model.attn_resolutions=[28]", *overrides])
+    with pytest.raises(ConfigError, match=needle):
+        build_formulation(cfg.diffusion)
+        with torch.device("meta"):
+            build_model(cfg.model, (1, 28, 28))
+
+
+def test_damaged_experiment_files_and_uncalibratable_metrics_are_one_line_errors(tmp_path):
+    from steadydiff.experiments.runner import read_result
+    from steadydiff.experiments.spec import load_experiment
+    from steadydiff.utils.errors import SteadydiffError
+
+    result = tmp_path / "runs" / "a" / "seed-0" / "result.json"
+    result.parent.mkdir(parents=True)
+    result.write_text('{"status": "ok"')  # truncated by hand
+    with pytest.raises(SteadydiffError, match="result.json is not valid JSON .*; delete it to train that run again"):
+        read_result(tmp_path, "a", 0)
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"name: x\nbase: {pathlib.Path('configs/demo.yaml').resolve()}\nbaseline: a\narms: {{a: {{}}}}\n"
+                   "seeds: [0]\nmetric: probe/loss\ncalibrate: {metrics: [probe/loss]}\n")
+    with pytest.raises(ConfigError, match="cannot calibrate 'probe/loss'; calibration re-measures eval/<metric> "
+                                          r"\(fd_fmnist, .*\), val/loss or val/ema_loss"):
+        load_experiment(exp)

@@ -9,7 +9,7 @@ from ..utils.registry import Registry
 from ..utils.rng import draw_normal, draw_uniform
 from .edm import EDMFormulation, EDMPrecond, sample_euler, sample_heun
 from .generate import generate, generate_chunks, merge_chunks, sample_labels
-from .guidance import Guided
+from .guidance import Guided, check_guidance, guided, parse_guidance_interval, parse_guidance_weights
 from .samplers import (
     SAMPLERS,
     EpsFn,
@@ -59,13 +59,17 @@ __all__ = [
     "VPSDE",
     "EpsFn",
     "build_formulation",
+    "check_guidance",
     "check_sampler",
     "clip_denoised",
     "draw_normal",
     "draw_uniform",
     "generate",
     "generate_chunks",
+    "guided",
     "merge_chunks",
+    "parse_guidance_interval",
+    "parse_guidance_weights",
     "sample",
     "sample_ddim",
     "sample_dpmpp2m",

@@ -16,7 +16,7 @@ from ..diagnostics.stats import oscillation_summary
 from ..runs import saved_sample_shape
 from ..runs.metrics_log import read_metrics, series
 from ..utils.errors import SteadydiffError
-from ..utils.io import atomic_write_text
+from ..utils.io import atomic_write_text, read_json
 from .calibrate import read_calibration
 from .claims import CLAIM_KINDS
 from .inference import judge_ratios
@@ -143,7 +143,7 @@ def sensitivity_stats(exp: Experiment, out: Path) -> dict[str, dict[int, dict[st
             rdir = run_dir(out, arm, s)
             cache = rdir / "sensitivity.json"
             if cache.exists():
-                res[arm][s] = json.loads(cache.read_text())
+                res[arm][s] = read_json(cache, "delete it to measure the sensitivity again")
                 continue
             if read_result(out, arm, s)["status"] != "ok":
                 res[arm][s] = {}
@@ -251,7 +251,7 @@ def rerender(exp: Experiment, out: Path, report_command: str = "") -> dict[str, 
     if not path.is_file():
         raise ExperimentError(f"the runs have not finished (there is no {Path(out) / 'runs'}) and there is no {path} "
                               "to re-judge; run `steadydiff compare` without --report-only to train them")
-    rep = json.loads(path.read_text())
+    rep = read_json(path, "restore it, or run `steadydiff compare` without --report-only")
     cfg = exp.run_config(exp.baseline, exp.seeds[0])
     rep.update(description=exp.description, paper=exp.paper, registration=claim_status(exp, out),
                calibration=read_calibration(out), report_command=report_command,

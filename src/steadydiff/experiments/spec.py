@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, read_yaml
+from ..metrics import METRICS
 from .claims import CLAIM_KINDS
 from .inference import TESTS
 
@@ -96,6 +97,17 @@ class Experiment:
 _KEYS = {"name", "base", "set", "baseline", "arms", "seeds", "metric", "stability", "stability_warmup",
          "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate"}
 _CALIBRATE_KEYS = {"repeats", "n", "reference_n", "arms", "seeds", "metrics", "sizes"}
+
+
+def calibrated_metrics(exp: Experiment) -> list[str]:
+    """The metrics `compare --calibrate` re-measures (`calibrate.py`): eval/<a metric of METRICS>, val/loss or
+    val/ema_loss; a ConfigError for any other (default: the experiment's metric)."""
+    metrics = list(exp.calibrate.get("metrics", [exp.metric]))
+    for m in metrics:
+        if m not in ("val/loss", "val/ema_loss") and not (m.startswith("eval/") and m.removeprefix("eval/") in METRICS):
+            raise ConfigError(f"experiment calibrate: cannot calibrate {m!r}; calibration re-measures eval/<metric> "
+                              f"({', '.join(METRICS)}), val/loss or val/ema_loss")
+    return metrics
 
 
 def _mapping(value: Any, key: str) -> dict[str, Any]:
@@ -184,6 +196,8 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
         workers=workers, bootstrap=int(raw.get("bootstrap", 2000)), claims=claims,
         description=str(raw.get("description", "")), source=path, paper=paper, calibrate=calibrate,
     )
+    if "metrics" in calibrate:
+        calibrated_metrics(exp)
     for arm in arms:  # fail now, not after hours of training the other arms (the config checks its sampler)
         try:
             exp.run_config(arm, seeds[0], extra)
