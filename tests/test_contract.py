@@ -189,13 +189,13 @@ def test_sigma_rel_bound_is_one_over_sqrt_12_exactly():
 
 
 def test_edm_from_config_keeps_t_eps():
-    cfg = load_config(None, ["diffusion.kind=edm", "diffusion.t_eps=0.01"])
+    cfg = load_config(None, ["diffusion.kind=edm", "diffusion.t_eps=0.01", "train.sample_sampler=heun"])
     form = build_formulation(cfg.diffusion)
     assert form.t_eps == 0.01
     s = form.sample_t(10_000, generator=torch.Generator().manual_seed(0))
     assert s.min() >= 0.01 and s.max() <= 0.99
     with pytest.raises(ConfigError, match="diffusion.t_eps"):
-        load_config(None, ["diffusion.kind=edm", "diffusion.t_eps=0.6"])
+        load_config(None, ["diffusion.kind=edm", "diffusion.t_eps=0.6", "train.sample_sampler=heun"])
 
 
 def test_power_ema_snapshots_are_fsynced_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -220,3 +220,15 @@ def test_power_ema_snapshots_are_fsynced_and_a_failed_write_leaves_nothing(tmp_p
     with pytest.raises(OSError):
         pe.snapshot(tmp_path / "new", 2)
     assert list((tmp_path / "new").iterdir()) == []  # no partial file under any name
+
+
+def test_a_damaged_post_hoc_ema_snapshot_is_one_line_naming_it(tmp_path, capsys):
+    run = tmp_path / "old"
+    shutil.copytree(FIXTURE, run)
+    snap = run / "phema" / "phema-000000004-0.100.safetensors"
+    snap.write_bytes(snap.read_bytes()[:100])  # truncated, as by a full disk
+    assert main(["phema", str(run), "--sigma-rel", "0.05", "--out", str(tmp_path / "ph")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "deprecated" not in ln]
+    assert len(err) == 1 and err[0].startswith("steadydiff: error: ")
+    assert "phema-000000004-0.100.safetensors is unreadable" in err[0] and "delete it" in err[0]
+    assert not (tmp_path / "ph").exists()

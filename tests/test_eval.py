@@ -34,7 +34,7 @@ def test_eval_bad_input(tmp_path, capsys):
     run = tmp_path / "run"
     Trainer(load_config(None, TOY + ["train.steps=2"]), run, show_progress=False).fit()
     assert main(["eval", str(run), "--metric", "fid_typo", "--n", "8"]) == 2
-    assert "choose from" in capsys.readouterr().err
+    assert "choose one of fd_fmnist" in capsys.readouterr().err
     assert main(["eval", str(run), "--metric", "fd_fmnist", "--n", "8"]) == 2  # images metric on points
     assert "does not apply" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="needs train.eval_metrics"):

@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from steadydiff.config import DataConfig
 from steadydiff.data import fashion_mnist as fm
-from steadydiff.metrics import features
+from steadydiff.metrics import classifier, features
+from steadydiff.metrics import inception as inception_module
 from steadydiff.metrics.distances import gaussian_stats
 from steadydiff.metrics.features import (
     EXTRACTOR_NAMES,
@@ -78,7 +79,7 @@ def test_unknown_extractor_lists_the_valid_names():
 
 
 def test_inception_without_the_package_names_the_extra(monkeypatch):
-    monkeypatch.setattr(features, "INCEPTION_PACKAGE", "steadydiff_no_such_package")
+    monkeypatch.setattr(inception_module, "INCEPTION_PACKAGE", "steadydiff_no_such_package")
     with pytest.raises(ExtractorError, match=r"pip install 'steadydiff\[fid\]'"):
         get_extractor("inception")
 
@@ -167,13 +168,13 @@ def test_extractor_rejects_bad_images():
 @needs_fmnist
 def test_classifier_is_trained_once_then_loaded_from_the_cache(cache, monkeypatch):
     calls = []
-    real = features.train_classifier
+    real = classifier.train_classifier
 
     def counting(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(features, "train_classifier", counting)
+    monkeypatch.setattr(classifier, "train_classifier", counting)
     first = ClassifierExtractor(TINY)
     assert first.trained and len(calls) == 1
     assert first.path.parent == cache / "extractors" and first.key in first.path.name and first.path.is_file()

@@ -437,5 +437,5 @@ def test_safe_load_audit_no_unsafe_loader_in_the_source():
             offenders += [f"{f.name}: {m.group(0)}" for m in re.finditer(pat, text)]
         # TorchScript archives only for the SHA-1-pinned Inception file.
         if "torch.jit.load(" in text:
-            assert f.name == "features.py" and "INCEPTION_SHA1" in text, f
+            assert f.name == "inception.py" and "INCEPTION_SHA1" in text, f
     assert not offenders, offenders

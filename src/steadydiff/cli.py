@@ -1,7 +1,9 @@
 """`steadydiff` command line: train | sample | eval | convert | diagnose | phema | compare | dataset.
 
-Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss) ends with one line
-`steadydiff: error: ...` that names the fix, and a non-zero exit status.
+Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss: a `SteadydiffError`, or an
+`OSError`) ends with one line `steadydiff: error: ...` that names the fix, and a non-zero exit status; anything
+else is a bug and keeps its traceback. This module parses, prints and picks exit codes; the work is done by
+the layers below.
 """
 
 from __future__ import annotations
@@ -57,61 +59,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guidance_weights(text: str) -> list[float]:
-    """--guidance: one weight, or a comma-separated sweep (eval); each >= 0."""
-    try:
-        ws = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"--guidance {text}: give numbers, e.g. --guidance 2 or --guidance 1,1.5,2,3") from None
-    if not ws or any(not w >= 0 for w in ws):
-        raise ConfigError(f"--guidance {text}: weights must be >= 0 (1 = no guidance), e.g. --guidance 1,1.5,2,3")
-    return ws
-
-
-def _guidance_interval(text: str | None) -> tuple[float, float] | None:
-    if text is None:
-        return None
-    try:
-        lo, hi = (float(v) for v in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--guidance-interval {text}: give two noise levels LO,HI, e.g. 0.28,2.9") from None
-    if not 0 <= lo <= hi:
-        raise ConfigError(f"--guidance-interval {text}: need 0 <= LO <= HI (sigma), e.g. 0.28,2.9")
-    return lo, hi
-
-
-def _check_guidance(m, args, weights: list[float]):
-    """Validate --class, --guidance and --guide against the loaded run `m`; returns the guide model (or None)."""
+def _load_guide(args: argparse.Namespace):
+    """The --guide run, loaded (None without --guide)."""
     from .runs import load_model
 
-    classes = m.cfg.model.num_classes
-    if args.class_label is not None and not 0 <= args.class_label < max(classes, 1):
-        raise ConfigError(f"--class {args.class_label}: " + (
-            f"this model has classes 0..{classes - 1}" if classes else
-            "this model is unconditional (model.num_classes=0); drop --class"))
-    if args.guide is None:
-        if any(w != 1 for w in weights) and not (classes and m.cfg.model.label_dropout > 0):
-            raise ConfigError("--guidance needs a class-conditional model trained with label dropout "
-                              "(model.num_classes > 0 and model.label_dropout > 0, e.g. 0.1); or guide with a weaker "
-                              "model: --guide RUN")
-        return None
-    guide = load_model(args.guide, use_ema=not args.no_ema)
-    # An unconditional guide (num_classes 0) is EDM2's classifier-free guidance; a conditional one, autoguidance.
-    for what, a, b in (("diffusion settings", m.cfg.diffusion, guide.cfg.diffusion),
-                       ("sample shape", m.sample_shape, guide.sample_shape),
-                       ("model.num_classes", classes, guide.cfg.model.num_classes or classes)):
-        if a != b:
-            raise ConfigError(f"--guide {args.guide}: its {what} ({b}) differ from the run's ({a}); autoguidance needs "
-                              "a weaker model of the same task (same data, formulation and classes)")
-    return guide.model
-
-
-def _guided(model, guide, formulation, weight: float, interval):
-    from .diffusion import Guided
-
-    if weight == 1 and guide is None:
-        return model
-    return Guided(model, weight, guide=guide, interval=interval, sigma_of=formulation.sigma_of_input)
+    return None if args.guide is None else load_model(args.guide, use_ema=not args.no_ema)
 
 
 def _add_guidance_args(p: argparse.ArgumentParser, sweep: str) -> None:
@@ -133,7 +85,14 @@ def _add_guidance_args(p: argparse.ArgumentParser, sweep: str) -> None:
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from .diffusion import check_sampler, generate
+    from .diffusion import (
+        check_guidance,
+        check_sampler,
+        generate,
+        guided,
+        parse_guidance_interval,
+        parse_guidance_weights,
+    )
     from .diffusion.latent import latent_decoder
     from .runs import load_model
     from .utils.device import pick_device
@@ -145,16 +104,18 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'samples.png'}")
-    weights = _guidance_weights(args.guidance)
+    weights = parse_guidance_weights(args.guidance)
     if len(weights) != 1:
         raise ConfigError(f"--guidance {args.guidance}: sample takes one weight; sweep with steadydiff eval")
     weight = weights[0]
-    guide = _check_guidance(m, args, [weight])
+    interval = parse_guidance_interval(args.guidance_interval)
+    guide = _load_guide(args)
+    check_guidance(m, weights, args.class_label, guide, args.guide)
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = _guided(m.model.to(device), None if guide is None else guide.to(device), m.formulation, weight,
-                    _guidance_interval(args.guidance_interval))
+    model = guided(m.model.to(device), None if guide is None else guide.model.to(device), m.formulation, weight,
+                   interval)
     decode = latent_decoder(m.cfg.data, args.vae, device)  # None unless the run trained on a latent store
     x = generate(model, m.formulation, m.sample_shape, args.n, sampler, args.steps, args.seed, device,
                  m.cfg.model.num_classes, clip=not args.no_clip, class_label=args.class_label, decode=decode)
@@ -172,7 +133,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .data import load_dataset
-    from .diffusion import check_sampler
+    from .diffusion import check_guidance, check_sampler, guided, parse_guidance_interval, parse_guidance_weights
     from .diffusion.latent import latent_decoder
     from .metrics.evaluate import evaluate, parse_metrics, plot_guidance_sweep
     from .runs import load_model
@@ -188,18 +149,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
     sampler = args.sampler or cfg.train.sample_sampler
     check_sampler(m.formulation.kind, sampler)
-    weights = _guidance_weights(args.guidance)
-    interval = _guidance_interval(args.guidance_interval)
-    guide = _check_guidance(m, args, weights)
+    weights = parse_guidance_weights(args.guidance)
+    interval = parse_guidance_interval(args.guidance_interval)
+    guide = _load_guide(args)
+    check_guidance(m, weights, args.class_label, guide, args.guide)
     if args.threads:
         torch.set_num_threads(args.threads)
     info, device = init_distributed(pick_device(args.device))
     try:
         with local_main_first(info):  # a first run may download the data: once per node
             dataset = load_dataset(cfg.data)
-        model, guide = m.model.to(device), None if guide is None else guide.to(device)
+        model, guide = m.model.to(device), None if guide is None else guide.model.to(device)
         decode = latent_decoder(cfg.data, args.vae, device)  # None unless the run trained on a latent store
-        results = [evaluate(_guided(model, guide, m.formulation, w, interval), m.formulation, cfg, dataset, metrics,
+        results = [evaluate(guided(model, guide, m.formulation, w, interval), m.formulation, cfg, dataset, metrics,
                             args.n, sampler, args.steps, args.seed, device, clip=not args.no_clip, ref_n=args.ref_n,
                             batch=args.batch, dist_info=info, class_label=args.class_label, decode=decode)
                    for w in weights]
@@ -279,76 +241,26 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_phema(args: argparse.Namespace) -> int:
-    from .runs import export_model, read_config, saved_sample_shape
-    from .train.phema import list_snapshots, reconstruct, sigma_rel_to_gamma
+    from .train.phema_export import export_phema
 
-    run, out = Path(args.run), Path(args.out)
-    cfg = read_config(run)
-    snap_dir = run / "phema"
-    snaps = list_snapshots(snap_dir) if snap_dir.is_dir() else []
-    if not snaps:
-        raise ConfigError(f"no post-hoc EMA snapshots in {snap_dir}; train with train.ema_sigma_rels=[0.05,0.1]")
     try:
         sigmas = [float(v) for v in args.sigma_rel.split(",") if v.strip()]
     except ValueError as e:
         raise ConfigError(f"--sigma-rel {args.sigma_rel!r}: expected numbers like 0.05,0.1") from e
-    for sr in sigmas:
-        sigma_rel_to_gamma(sr)  # ValueError naming the valid range
-    steps = sorted({sn.step for sn in snaps})
-    step = args.step if args.step is not None else steps[-1]
-    if step not in steps:
-        raise ConfigError(f"--step {step}: no snapshot at that step; available: {steps[0]} ... {steps[-1]}")
-    shape = saved_sample_shape(run)
-    if shape is None:
-        raise ConfigError(f"{run} has no checkpoint to read the sample shape from; let training write one")
-    for (st, sr), weights in reconstruct(snaps, [(step, sr) for sr in sigmas]):
-        target = export_model(out / f"step-{st:07d}-sigma-{sr:.3f}", cfg, weights, shape, step=st,
-                              weights_kind=f"post-hoc EMA sigma_rel {sr:.3f}", sigma_rel=sr, source=str(run))
+    for sr, st, target in export_phema(args.run, args.out, sigmas, args.step):
         print(f"sigma_rel {sr:.3f} at step {st}: {target} (sample with `steadydiff sample {target} --out x.png`)")
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    import shlex
+    from .experiments.compare import compare
 
-    from .experiments import (
-        analyse,
-        load_experiment,
-        plot_experiment,
-        record,
-        rerender,
-        run_calibration,
-        run_experiment,
-        write_markdown,
-    )
-    from .utils.io import atomic_write_text
-
-    exp = load_experiment(args.experiment, args.set)
-    out = Path(args.out)
-    argv = args.argv if args.argv is not None else sys.argv[1:]
-    command = "steadydiff " + " ".join(shlex.quote(a) for a in argv)
-    ran_by = out / "command.txt"  # the command that trained the runs, quoted by reports regenerated later
-    report_command = ""
-    if not args.report_only:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(ran_by, command + "\n")
-        if record(exp, out):  # before anything trains: later claim changes are marked post hoc
-            print(f"recorded the design and {len(exp.claims)} claims in {out}/preregistration.json")
-        run_experiment(exp, out, args.set, workers=args.workers, show_progress=not args.quiet)
-    elif ran_by.is_file():
-        command, report_command = ran_by.read_text().strip(), command
-    if args.report_only and not (out / "runs").is_dir():
-        rep = rerender(exp, out, report_command=report_command or command)
-        print("re-judged the claims from the stored results.json (the runs are not here)")
-    else:
-        if args.calibrate:
-            run_calibration(exp, out)
-        rep = analyse(exp, out, command=command, report_command=report_command)
-        plot_experiment(exp, rep, out)
-    write_markdown(rep, out)
+    rep = compare(args.experiment, args.out, args.set, args.argv if args.argv is not None else sys.argv[1:],
+                  workers=args.workers, report_only=args.report_only, calibrate=args.calibrate,
+                  show_progress=not args.quiet)
     for c in rep["claims"]:
         print(f"{c['verdict']:>14}: {c['name']} ({c['registration']})")
-    print(f"wrote {out}/results.json and report.md")
+    print(f"wrote {Path(args.out)}/results.json and report.md")
     return 0
 
 
@@ -385,8 +297,17 @@ def _count(text: str) -> int:
     return value
 
 
+def load_registries() -> None:
+    """Import every module that fills a registry (`utils/registry.py`), so that the choices and help below list
+    every entry and configs loaded after this are checked against all of them."""
+    from . import diffusion, experiments, metrics, nn, train  # noqa: F401
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .diffusion import SAMPLER_NAMES
+    """The parser; its choices and help texts are read from the registries (a new entry shows up here)."""
+    load_registries()
+    from .diffusion import sampler_help, sampler_names
+    from .metrics import METRICS
 
     p = _Parser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -402,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="draw samples from a trained run into a PNG")
     s.add_argument("run", help="run directory (or a checkpoint directory inside it)")
     s.add_argument("--n", type=_count, default=64)
-    s.add_argument("--sampler", choices=SAMPLER_NAMES,
-                   help="vp: em | ddim | dpmpp2m; edm: heun | euler (default: the run's train.sample_sampler)")
+    s.add_argument("--sampler", choices=sampler_names(),
+                   help=f"{sampler_help()} (default: the run's train.sample_sampler)")
     s.add_argument("--steps", type=_count, default=50)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True, help="PNG file to write")
@@ -414,13 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_guidance_args(s, sweep="")
     s.set_defaults(func=_cmd_sample)
 
-    e = sub.add_parser("eval", help="sample a run and score it (fd_fmnist, fid, kid, precision, recall, "
-                       "class_acc, sw, mmd)")
+    e = sub.add_parser("eval", help=f"sample a run and score it ({', '.join(METRICS)})")
     e.add_argument("run", help="run directory (or a phema output directory)")
-    e.add_argument("--metric", default="fd_fmnist", help="comma-separated metrics, e.g. fd_fmnist,kid,fid")
+    e.add_argument("--metric", default="fd_fmnist", help=f"comma-separated metrics: {', '.join(METRICS)}")
     e.add_argument("--n", "--num-samples", dest="n", type=_count, default=5000,
                    help="number of samples (under torchrun write --num-samples: torchrun reads --n as its own)")
-    e.add_argument("--sampler", choices=SAMPLER_NAMES)
+    e.add_argument("--sampler", choices=sampler_names(),
+                   help=f"{sampler_help()} (default: the run's train.sample_sampler)")
     e.add_argument("--steps", type=_count, default=50)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--batch", type=_count, default=256, help="samples per chunk; each chunk has its own seed, and "
@@ -548,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (SteadydiffError, ValueError, OSError) as e:
+    except (SteadydiffError, OSError) as e:
         if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
             raise
         text = os_error_text(e) if isinstance(e, OSError) else str(e)

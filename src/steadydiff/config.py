@@ -18,15 +18,20 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from .utils.errors import ConfigError
-
-# The metric names `train.eval_metrics` accepts: `steadydiff.metrics.METRICS` (a test keeps them equal).
-MetricName = Literal["fd_fmnist", "fid", "kid", "precision", "recall", "class_acc", "class_acc_mnist", "sw", "mmd"]
+from .utils.registry import registries_for
 
 
 def resumable(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
     """A field that may change when a run is resumed: it does not alter the training trajectory (output,
     monitoring and speed settings). Every other field must match the run directory's config."""
     return field(default=default, metadata={"resumable": True}, **kw)
+
+
+def registered(default: Any = dataclasses.MISSING, *, resumable: bool = False, **kw: Any) -> Any:
+    """A field whose value names an entry of a registry (`utils/registry.py`; a list field: each item does)
+    that a higher layer owns and fills, e.g. model.backbone -> `nn.BACKBONES`. No list of names is typed
+    here: the loaded registries check the value (`check_registered`)."""
+    return field(default=default, metadata={"registry": True, "resumable": resumable}, **kw)
 
 
 def _positive(section: str, **values: float | None) -> None:
@@ -64,7 +69,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    backbone: Literal["unet", "uvit", "edm2", "mlp_unet"] = "unet"
+    backbone: str = registered("unet")  # nn.BACKBONES
     skip_scaling: Literal["org", "inv_sqrt2", "cs", "ls", "ls_ns"] = "org"
     kappa: float = 0.5  # CS: LSC i (1 = outermost) is scaled by kappa**(i-1)
     ls_reduction: int = 16  # LS gate bottleneck ratio r
@@ -111,7 +116,7 @@ class ModelConfig:
 
 @dataclass
 class DiffusionConfig:
-    kind: Literal["vp", "edm"] = "vp"
+    kind: str = registered("vp")  # diffusion.FORMULATIONS
     # vp: continuous VP-SDE (U-ViT/ScaleLong)
     beta_min: float = 0.1
     beta_max: float = 20.0
@@ -147,14 +152,14 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     warmup_steps: int = 100
-    lr_schedule: Literal["constant", "cosine", "inv_sqrt"] = "constant"
+    lr_schedule: str = registered("constant")  # train/schedules.py LR_SCHEDULES
     lr_ref_steps: int = 35000  # inv_sqrt: t_ref, the step where the 1/sqrt decay starts (EDM2)
-    timesteps: Literal["base", "clts"] = "base"  # base: uniform t (vp) / log-normal sigma (edm)
+    timesteps: str = registered("base")  # train/timesteps.py; base: uniform t (vp) / log-normal sigma (edm)
     clts_mu: float = 0.3  # CLTS Gaussian centre on the normalised noise level (paper's best)
     clts_sigma: float = 0.2  # CLTS Gaussian width: not known from the paper, sweep it
     clts_steps: int | None = None  # CLTS curriculum length K_c (null: train.steps)
     clts_importance: bool = False  # weight losses by base/p_k (keeps the expected loss unchanged)
-    momentum: Literal["constant", "mdlrc", "momentum_decay_only", "lr_decay_only"] = "constant"
+    momentum: str = registered("constant")  # train/momentum.py MOMENTUM_PRESETS
     momentum_steps: int | None = None  # MDLRC horizon K_m (null: train.steps)
     momentum_beta_end: float = 0.0  # floor of the decayed beta1
     ema_sigma_rels: list[float] = field(default_factory=list)  # power-function EMAs to track, e.g. [0.05, 0.10]
@@ -171,13 +176,12 @@ class TrainConfig:
     keep_ckpts: int = resumable(2)
     sample_every: int = resumable(0)  # 0: only at the end
     sample_n: int = resumable(64)
-    # Each formulation has its own samplers (vp: em, ddim, dpmpp2m; edm: heun, euler); the trainer checks
-    # that this one is among diffusion.kind's.
-    sample_sampler: Literal["em", "ddim", "dpmpp2m", "heun", "euler"] = resumable("dpmpp2m")
+    # One of diffusion.kind's samplers (each formulation's SAMPLERS: diffusion/samplers.py, diffusion/edm.py).
+    sample_sampler: str = registered("dpmpp2m", resumable=True)
     sample_steps: int = resumable(30)
     sample_clip: bool = resumable(True)  # images: keep the denoised estimate in [-1, 1] while sampling
     eval_every: int = resumable(0)  # steps between quick evals written as eval/<metric> to metrics.jsonl (0: off)
-    eval_metrics: list[str] = resumable(default_factory=list)  # MetricName values, e.g. [fd_fmnist] or [sw]
+    eval_metrics: list[str] = registered(default_factory=list, resumable=True)  # metrics.METRICS, e.g. [sw]
     eval_n: int = resumable(256)  # samples per periodic eval
     # Samples per sampling chunk (each chunk has its own seed); under torchrun the chunks are shared out.
     eval_batch: int = resumable(256)
@@ -191,7 +195,7 @@ class TrainConfig:
     peak_flops: float | None = resumable(None)  # per-device peak FLOP/s for the logged MFU; null or 0: measure
     # A NaN/Inf loss or gradient norm: stop (exit 3, last good checkpoint kept) or skip that step's update
     # (no weight, EMA or optimiser change; the step still counts), counted as skipped_steps in metrics.jsonl.
-    nonfinite: Literal["stop", "skip"] = resumable("stop")
+    nonfinite: str = registered("stop", resumable=True)  # train/nonfinite.py NONFINITE_POLICIES
     max_consecutive_skips: int = resumable(10)  # nonfinite=skip: stop when one more step in a row would skip
 
     def check(self) -> None:
@@ -218,10 +222,6 @@ class TrainConfig:
                               f"{self.eval_every}, {self.eval_n}, {self.eval_batch}")
         if self.eval_every and not self.eval_metrics:
             raise ConfigError("train.eval_every > 0 needs train.eval_metrics, e.g. [fd_fmnist] or [sw]")
-        bad = [m for m in self.eval_metrics if m not in get_args(MetricName)]
-        if bad:
-            raise ConfigError(f"train.eval_metrics: unknown metric {bad[0]!r}; choose from "
-                              f"{', '.join(get_args(MetricName))}")
         if self.peak_flops is not None and self.peak_flops < 0:
             raise ConfigError(f"train.peak_flops: must be > 0 (FLOP/s per device) or 0/null to measure, got "
                               f"{self.peak_flops}")
@@ -422,10 +422,34 @@ def _move_keys(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def registered_keys() -> list[str]:
+    """Dotted keys of the fields whose value names a registry entry (`registered`)."""
+    hints = typing.get_type_hints(Config)
+    return [f"{sec.name}.{f.name}" for sec in dataclasses.fields(Config) for f in dataclasses.fields(hints[sec.name])
+            if f.metadata.get("registry")]
+
+
+def config_value(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def check_registered(cfg: Config) -> None:
+    """Every registered field's value against the registries loaded now (those in scope for this config);
+    a key whose registry is not loaded yet is left to its builder, which raises the same error."""
+    for key in registered_keys():
+        value = config_value(cfg, key)
+        for registry in registries_for(key):
+            if registry.scope is None or config_value(cfg, registry.scope[0]) == registry.scope[1]:
+                for name in value if isinstance(value, list) else [value]:
+                    registry.choose(name, key)
+
+
 def config_from_dict(data: dict[str, Any] | None) -> Config:
-    """A validated Config: moved keys renamed, types and choices per field, then each section's `check()`, then
-    the rules that span sections (`Config.check`)."""
+    """A validated Config: moved keys renamed, types and choices per field, the names of registry entries, then
+    each section's `check()`, then the rules that span sections (`Config.check`)."""
     cfg = _build(Config, _move_keys(data or {}), "")
+    check_registered(cfg)
     for section in (cfg.data, cfg.model, cfg.diffusion, cfg.train, cfg.diagnostics, cfg.debug, cfg):
         section.check()
     return cfg

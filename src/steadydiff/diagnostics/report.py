@@ -84,7 +84,7 @@ def diagnose_runs(run_dirs: list[Path], out_dir: Path, n_probe: int = 32, n_cons
         # The Jacobian needs gradients (JVP/VJP), outside no_grad.
         entry["jacobian_norm_vs_t"] = _sensitivity(model, sde, x0, labels, cfg.model.num_classes, "jacobian")
         report["runs"][name] = entry
-        samples[name] = generate(model, sde, ds.sample_shape, n_consistency, sde.samplers[1], 20, seed=0,
+        samples[name] = generate(model, sde, ds.sample_shape, n_consistency, sde.ode_sampler, 20, seed=0,
                                  num_classes=cfg.model.num_classes)
     names = list(samples)
     if len(names) > 1:

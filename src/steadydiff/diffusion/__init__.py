@@ -2,14 +2,14 @@
 `generate`: drawing samples from a trained model.
 
 A formulation owns the loss, the noise levels, the preconditioning wrapper (`wrap`) and its samplers
-(`samplers`, `generate`); the trainer and the CLI reach samplers only through it.
+(`samplers`: its SAMPLERS registry; `generate`); the trainer and the CLI reach samplers only through it.
 """
 
-from ..utils.errors import ConfigError
+from ..utils.registry import Registry
 from ..utils.rng import draw_normal, draw_uniform
 from .edm import EDMFormulation, EDMPrecond, sample_euler, sample_heun
 from .generate import generate, generate_chunks, merge_chunks, sample_labels
-from .guidance import Guided
+from .guidance import Guided, check_guidance, guided, parse_guidance_interval, parse_guidance_weights
 from .samplers import (
     SAMPLERS,
     EpsFn,
@@ -22,26 +22,32 @@ from .samplers import (
 )
 from .vp import VPSDE
 
-FORMULATIONS = {"vp": VPSDE, "edm": EDMFormulation}
-# Every sampler name of every formulation, in a stable order (the CLI's --sampler choices).
-SAMPLER_NAMES = tuple(s for f in FORMULATIONS.values() for s in f.samplers)
+# diffusion.kind -> the formulation class (`from_config`, `kind`, `samplers`).
+FORMULATIONS = Registry("formulation", key="diffusion.kind")
+FORMULATIONS.add("vp", VPSDE)
+FORMULATIONS.add("edm", EDMFormulation)
 
 
 def build_formulation(cfg):
-    """The formulation object for `diffusion.kind` (vp | edm): it owns the loss, the noise levels,
-    the preconditioning wrapper (`wrap`) and sampling (`generate`)."""
-    if cfg.kind not in FORMULATIONS:
-        raise ConfigError(f"unknown diffusion.kind {cfg.kind!r}; choose one of {', '.join(FORMULATIONS)}")
-    return FORMULATIONS[cfg.kind].from_config(cfg)
+    """The formulation object for `diffusion.kind`: it owns the loss, the noise levels, the preconditioning
+    wrapper (`wrap`) and sampling (`generate`)."""
+    return FORMULATIONS.choose(cfg.kind).from_config(cfg)
 
 
 def check_sampler(kind: str, sampler: str, flag: str = "--sampler") -> None:
     """A ConfigError naming the valid choices when `sampler` is not one of formulation `kind`'s samplers
     (`flag`: the CLI flag or config key that set it)."""
-    valid = FORMULATIONS[kind].samplers
-    if sampler not in valid:
-        given = f"{flag} {sampler}" if flag.startswith("-") else f"{flag}={sampler}"
-        raise ConfigError(f"{given} does not apply to diffusion.kind={kind}; choose one of {', '.join(valid)}")
+    FORMULATIONS.choose(kind).samplers.choose(sampler, flag)
+
+
+def sampler_names() -> tuple[str, ...]:
+    """Every sampler of every formulation, in registry order (the CLI's --sampler choices)."""
+    return tuple(dict.fromkeys(s for f in FORMULATIONS.values() for s in f.samplers))
+
+
+def sampler_help() -> str:
+    """`vp: em | ddim | dpmpp2m; edm: heun | euler`: each formulation's samplers (the CLI's --sampler help)."""
+    return "; ".join(f"{kind}: {' | '.join(f.samplers)}" for kind, f in FORMULATIONS.items())
 
 
 __all__ = [
@@ -50,17 +56,20 @@ __all__ = [
     "FORMULATIONS",
     "Guided",
     "SAMPLERS",
-    "SAMPLER_NAMES",
     "VPSDE",
     "EpsFn",
     "build_formulation",
+    "check_guidance",
     "check_sampler",
     "clip_denoised",
     "draw_normal",
     "draw_uniform",
     "generate",
     "generate_chunks",
+    "guided",
     "merge_chunks",
+    "parse_guidance_interval",
+    "parse_guidance_weights",
     "sample",
     "sample_ddim",
     "sample_dpmpp2m",
@@ -68,5 +77,7 @@ __all__ = [
     "sample_euler",
     "sample_labels",
     "sample_heun",
+    "sampler_help",
+    "sampler_names",
     "time_grid",
 ]

@@ -25,9 +25,15 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.mp import MPConv, MPFourier
+from ..utils.registry import Registry
 from ..utils.rng import draw_normal, draw_uniform
 
 DenoiseFn = Callable[[Tensor, Tensor], Tensor]  # D(x, sigma) with sigma of shape (B,)
+
+# A backbone's declared `time_input` convention -> the factor on c_noise = ln(sigma) / 4 (EDM Eq. 7 / Table 1)
+# that it is fed. c_noise spans ~[-1.6, 1.1] over sigma in [0.002, 80]: as is for EDM2's MP-Fourier embedding;
+# x 250 for sinusoidal embeddings designed for VP's model time 999 t, so that it spans a comparable range.
+TIME_INPUT_SCALES = {"c_noise": 1.0, "vp_time": 250.0}
 
 
 class LogVarianceHead(nn.Module):
@@ -45,10 +51,8 @@ class LogVarianceHead(nn.Module):
 class EDMPrecond(nn.Module):
     """Wraps a backbone F into the denoiser D(x; sigma) and holds the learned u(sigma).
 
-    The backbone is called as `net(c_in x, c_noise * noise_scale, labels)`: `noise_scale` is the
-    backbone's `edm_noise_scale` attribute (1 for EDM2UNet's MP-Fourier embedding; 250 for backbones with
-    sinusoidal embeddings designed for VP's 0..999 model time, so that ln(sigma)/4 in ~[-1.6, 1.1] spans a
-    comparable range).
+    The backbone is called as `net(c_in x, c_noise * noise_scale, labels)`, `noise_scale` set by the time
+    input convention the backbone declares (`net.time_input`, a key of TIME_INPUT_SCALES).
     """
 
     backbone_attr = "net"  # the child holding the backbone (diagnostics group its blocks inside it)
@@ -57,7 +61,11 @@ class EDMPrecond(nn.Module):
         super().__init__()
         self.net = net
         self.sigma_data = sigma_data
-        self.noise_scale = float(getattr(net, "edm_noise_scale", 1.0))
+        convention = getattr(net, "time_input", None)
+        if convention not in TIME_INPUT_SCALES:
+            raise TypeError(f"{type(net).__name__} must declare its noise-level input: time_input = one of "
+                            f"{', '.join(TIME_INPUT_SCALES)} (nn/skip_scaling.py LongSkips)")
+        self.noise_scale = TIME_INPUT_SCALES[convention]
         self.logvar = LogVarianceHead() if learn_uncertainty else None
 
     @property
@@ -88,11 +96,49 @@ class EDMPrecond(nn.Module):
         return self.logvar(sigma.to(torch.float32).log() / 4)
 
 
+# EDM samplers: pure functions of one signature `(denoise, x, sigmas, generator=None)` over a denoiser D(x; sigma),
+# from x at sigmas[0] down the decreasing grid `sigmas` (ending at 0); the generator feeds stochastic ones.
+
+
+@torch.no_grad()
+def sample_euler(denoise: DenoiseFn, x: Tensor, sigmas: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Euler on the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma (EDM Alg. 1 without the
+    second-order correction). Deterministic: `generator` is not used."""
+    for s_cur, s_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        d = (x - denoise(x, torch.full((x.shape[0],), s_cur, device=x.device))) / s_cur
+        x = x + (s_next - s_cur) * d
+    return x
+
+
+@torch.no_grad()
+def sample_heun(denoise: DenoiseFn, x: Tensor, sigmas: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """EDM Alg. 1 (deterministic, S_churn = 0): Heun's 2nd-order method, Euler on the last step to 0.
+    `generator` is not used."""
+    b = x.shape[0]
+    for s_cur, s_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        d = (x - denoise(x, torch.full((b,), s_cur, device=x.device))) / s_cur
+        x_next = x + (s_next - s_cur) * d
+        if s_next > 0:
+            d2 = (x_next - denoise(x_next, torch.full((b,), s_next, device=x.device))) / s_next
+            x_next = x + (s_next - s_cur) * 0.5 * (d + d2)
+        x = x_next
+    return x
+
+
+EDMSampler = Callable[[DenoiseFn, Tensor, Tensor, "torch.Generator | None"], Tensor]
+
+# The EDM samplers: train.sample_sampler and --sampler under diffusion.kind=edm.
+SAMPLERS: Registry[EDMSampler] = Registry("sampler", key="train.sample_sampler", scope=("diffusion.kind", "edm"))
+SAMPLERS.add("heun", sample_heun)
+SAMPLERS.add("euler", sample_euler)
+
+
 class EDMFormulation:
     """EDM training and sampling over a normalised noise level s (see module docstring)."""
 
     kind = "edm"
-    samplers = ("heun", "euler")
+    samplers = SAMPLERS
+    ode_sampler = "euler"  # deterministic and first order: what consistency checks sample with
 
     def __init__(self, sigma_data: float = 0.5, p_mean: float = -0.8, p_std: float = 1.6,
                  sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0, learn_uncertainty: bool = True,
@@ -182,37 +228,11 @@ class EDMFormulation:
 
     def generate(self, model: nn.Module, x_T: Tensor, sampler: str, steps: int, labels: Tensor | None = None,
                  generator=None, clip: bool = False) -> Tensor:
-        if sampler not in self.samplers:
-            raise ValueError(f"sampler {sampler!r} does not apply to diffusion.kind=edm; choose one of "
-                             f"{', '.join(self.samplers)}")
+        """Samples from x_T ~ N(0, I), scaled to sigma_max, with one of `samplers` on the EDM Eq. 5 grid."""
+        run = self.samplers.choose(sampler)
 
         def denoise(x, sigma):
             d = model(x, sigma, labels)
             return d.clamp(-1, 1) if clip else d
 
-        fn = sample_heun if sampler == "heun" else sample_euler
-        return fn(denoise, x_T * self.sigma_max, self.sigma_grid(steps, x_T.device))
-
-
-@torch.no_grad()
-def sample_euler(denoise: DenoiseFn, x: Tensor, sigmas: Tensor) -> Tensor:
-    """Euler on the probability-flow ODE dx/dsigma = (x - D(x; sigma)) / sigma (EDM Alg. 1 without the
-    second-order correction)."""
-    for s_cur, s_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-        d = (x - denoise(x, torch.full((x.shape[0],), s_cur, device=x.device))) / s_cur
-        x = x + (s_next - s_cur) * d
-    return x
-
-
-@torch.no_grad()
-def sample_heun(denoise: DenoiseFn, x: Tensor, sigmas: Tensor) -> Tensor:
-    """EDM Alg. 1 (deterministic, S_churn = 0): Heun's 2nd-order method, Euler on the last step to 0."""
-    b = x.shape[0]
-    for s_cur, s_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-        d = (x - denoise(x, torch.full((b,), s_cur, device=x.device))) / s_cur
-        x_next = x + (s_next - s_cur) * d
-        if s_next > 0:
-            d2 = (x_next - denoise(x_next, torch.full((b,), s_next, device=x.device))) / s_next
-            x_next = x + (s_next - s_cur) * 0.5 * (d + d2)
-        x = x_next
-    return x
+        return run(denoise, x_T * self.sigma_max, self.sigma_grid(steps, x_T.device), generator)

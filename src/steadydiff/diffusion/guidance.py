@@ -22,11 +22,13 @@ sampler sees out_main elsewhere.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..nn import NULL_LABEL
+from ..utils.errors import ConfigError
 
 
 class Guided(nn.Module):
@@ -66,3 +68,60 @@ class Guided(nn.Module):
         inside = (sigma >= self.interval[0]) & (sigma <= self.interval[1])
         inside = inside.expand(x.shape[0]) if inside.numel() == 1 else inside
         return torch.where(inside.view(-1, *([1] * (x.dim() - 1))), guided, out)
+
+
+def guided(model: nn.Module, guide: nn.Module | None, formulation, weight: float,
+           interval: tuple[float, float] | None) -> nn.Module:
+    """`model` guided with `weight` (by `guide`, or classifier-free when None); `model` itself at w = 1 unguided."""
+    if weight == 1 and guide is None:
+        return model
+    return Guided(model, weight, guide=guide, interval=interval, sigma_of=formulation.sigma_of_input)
+
+
+def parse_guidance_weights(text: str) -> list[float]:
+    """--guidance: one weight, or a comma-separated sweep; each >= 0 (1: no guidance, 0: the guide alone)."""
+    try:
+        ws = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--guidance {text}: give numbers, e.g. --guidance 2 or --guidance 1,1.5,2,3") from None
+    if not ws or any(not w >= 0 for w in ws):
+        raise ConfigError(f"--guidance {text}: weights must be >= 0 (1 = no guidance), e.g. --guidance 1,1.5,2,3")
+    return ws
+
+
+def parse_guidance_interval(text: str | None) -> tuple[float, float] | None:
+    """--guidance-interval LO,HI: the sigma range guidance applies in (Kynkaenniemi et al. 2024); None: all."""
+    if text is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--guidance-interval {text}: give two noise levels LO,HI, e.g. 0.28,2.9") from None
+    if not 0 <= lo <= hi:
+        raise ConfigError(f"--guidance-interval {text}: need 0 <= LO <= HI (sigma), e.g. 0.28,2.9")
+    return lo, hi
+
+
+def check_guidance(run: Any, weights: list[float], class_label: int | None, guide: Any = None,
+                   guide_name: str = "") -> None:
+    """That `run` (a loaded model: `.cfg`, `.sample_shape`) can draw class `class_label` with these guidance
+    weights, and that `guide` (a loaded model, or None for classifier-free guidance), named `guide_name` on
+    the command line, can guide it. One-line ConfigErrors naming the fix."""
+    classes = run.cfg.model.num_classes
+    if class_label is not None and not 0 <= class_label < max(classes, 1):
+        raise ConfigError(f"--class {class_label}: " + (
+            f"this model has classes 0..{classes - 1}" if classes else
+            "this model is unconditional (model.num_classes=0); drop --class"))
+    if guide is None:
+        if any(w != 1 for w in weights) and not (classes and run.cfg.model.label_dropout > 0):
+            raise ConfigError("--guidance needs a class-conditional model trained with label dropout "
+                              "(model.num_classes > 0 and model.label_dropout > 0, e.g. 0.1); or guide with a weaker "
+                              "model: --guide RUN")
+        return
+    # An unconditional guide (num_classes 0) is EDM2's classifier-free guidance; a conditional one, autoguidance.
+    for what, a, b in (("diffusion settings", run.cfg.diffusion, guide.cfg.diffusion),
+                       ("sample shape", run.sample_shape, guide.sample_shape),
+                       ("model.num_classes", classes, guide.cfg.model.num_classes or classes)):
+        if a != b:
+            raise ConfigError(f"--guide {guide_name}: its {what} ({b}) differ from the run's ({a}); autoguidance "
+                              "needs a weaker model of the same task (same data, formulation and classes)")

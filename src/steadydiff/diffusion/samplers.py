@@ -1,4 +1,6 @@
-"""Reverse-time samplers for the VP-SDE, as pure functions over an eps-prediction function.
+"""Reverse-time samplers for the VP-SDE, as pure functions over an eps-prediction function, all of one
+signature `(eps_fn, sde, x_T, steps, generator=None)` (the generator feeds the stochastic ones: em) and listed
+in SAMPLERS, through which `VPSDE.generate` dispatches, the config and CLI validate, and the CLI lists them.
 
 `eps_fn(x, t)` takes the state x of shape (B, ...) and the continuous time t of shape (B,) in (0, 1] (the
 same value for the whole batch, in x's dtype) and returns the noise prediction. Wrap a network with
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..utils.registry import Registry
 from ..utils.rng import draw_normal
 
 if TYPE_CHECKING:  # annotations only: vp.py builds on this module
@@ -105,13 +108,15 @@ def sample_em(
         return _denoise(eps_fn, sde, x, ts[-1])
 
 
-def sample_ddim(eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int) -> Tensor:
+def sample_ddim(
+    eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int, generator: torch.Generator | None = None
+) -> Tensor:
     """DDIM with eta = 0 (Song, Meng & Ermon 2021, eq. 12 with sigma_t = 0), uniform grid in t.
 
         x0_hat = (x_t - sigma_t eps_hat) / alpha_t,   x_s = alpha_s x0_hat + sigma_s eps_hat.
 
     This is the first-order exponential integrator of the probability-flow ODE (Lu et al. 2022, DPM-Solver-1).
-    Returns x0_hat at t_end.
+    Returns x0_hat at t_end. Deterministic: `generator` is not used.
     """
     ts = time_grid(sde, steps, "uniform").tolist()
     with torch.no_grad():
@@ -126,7 +131,9 @@ def sample_ddim(eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int) -> Tensor:
         return _denoise(eps_fn, sde, x, ts[-1])
 
 
-def sample_dpmpp2m(eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int) -> Tensor:
+def sample_dpmpp2m(
+    eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int, generator: torch.Generator | None = None
+) -> Tensor:
     """DPM-Solver++(2M): multistep second-order, data prediction (Lu et al. 2022, DPM-Solver++, Alg. 2).
 
     With lambda_i = log(alpha_i / sigma_i), h_i = lambda_i - lambda_{i-1} and the data prediction
@@ -137,7 +144,7 @@ def sample_dpmpp2m(eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int) -> Tensor
                                D = (1 + 1 / (2 r_i)) D_{i-1} - 1 / (2 r_i) D_{i-2},
                                x_i = (sigma_i / sigma_{i-1}) x_{i-1} - alpha_i (e^{-h_i} - 1) D.
 
-    Returns x0_hat at the last time t_end. Second order in h.
+    Returns x0_hat at the last time t_end. Second order in h. Deterministic: `generator` is not used.
     """
     ts = time_grid(sde, steps, "logsnr").tolist()
     lams = [float(sde.log_snr(torch.tensor(t, dtype=torch.float64))) for t in ts]
@@ -161,18 +168,20 @@ def sample_dpmpp2m(eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int) -> Tensor
         return _denoise(eps_fn, sde, x, ts[-1])
 
 
-SAMPLERS: dict[str, Callable[..., Tensor]] = {"em": sample_em, "ddim": sample_ddim, "dpmpp2m": sample_dpmpp2m}
+VPSampler = Callable[[EpsFn, "VPSDE", Tensor, int, "torch.Generator | None"], Tensor]
+
+# The VP samplers: train.sample_sampler and --sampler under diffusion.kind=vp.
+SAMPLERS: Registry[VPSampler] = Registry("sampler", key="train.sample_sampler", scope=("diffusion.kind", "vp"))
+SAMPLERS.add("em", sample_em)
+SAMPLERS.add("ddim", sample_ddim)
+SAMPLERS.add("dpmpp2m", sample_dpmpp2m)
 
 
 def sample(
     name: str, eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, steps: int, generator: torch.Generator | None = None
 ) -> Tensor:
     """Run the sampler called `name` (one of SAMPLERS); `generator` feeds the stochastic ones (em)."""
-    if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
-    if name == "em":
-        return sample_em(eps_fn, sde, x_T, steps, generator=generator)
-    return SAMPLERS[name](eps_fn, sde, x_T, steps)
+    return SAMPLERS.choose(name)(eps_fn, sde, x_T, steps, generator)
 
 
 def clip_denoised(eps_fn: EpsFn, sde: VPSDE, bound: float = 1.0) -> EpsFn:

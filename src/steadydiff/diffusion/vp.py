@@ -23,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from ..config import DiffusionConfig
+from ..utils.errors import ConfigError
 from ..utils.rng import draw_normal, draw_uniform
-from .samplers import clip_denoised, sample
+from .samplers import SAMPLERS, clip_denoised
 
 __all__ = ["VPSDE", "draw_normal", "draw_uniform"]
 
@@ -53,17 +54,17 @@ class VPSDE:
     T: float = 1.0
     time_scale: float = 999.0  # the network sees 999 t (U-ViT convention)
     kind = "vp"
-    samplers = ("em", "ddim", "dpmpp2m")
+    samplers = SAMPLERS
+    ode_sampler = "ddim"  # deterministic and first order: what consistency checks sample with
 
     def __init__(self, beta_min: float = 0.1, beta_max: float = 20.0, t_eps: float = 1e-5):
         if beta_min < 0 or beta_max < beta_min:
-            raise ValueError(
-                f"VPSDE needs 0 <= beta_min <= beta_max, got beta_min={beta_min}, beta_max={beta_max}"
-            )
+            raise ConfigError(f"diffusion: the VP-SDE needs 0 <= beta_min <= beta_max, got beta_min={beta_min}, "
+                              f"beta_max={beta_max}")
         if beta_max <= 0:
-            raise ValueError(f"VPSDE needs beta_max > 0, got {beta_max}")
+            raise ConfigError(f"diffusion.beta_max: the VP-SDE needs beta_max > 0, got {beta_max}")
         if not 0 < t_eps < 1:
-            raise ValueError(f"VPSDE needs t_eps in (0, 1), got {t_eps}")
+            raise ConfigError(f"diffusion.t_eps: must be in (0, 1), got {t_eps}")
         self.beta_min = float(beta_min)
         self.beta_max = float(beta_max)
         self.t_eps = float(t_eps)
@@ -147,14 +148,12 @@ class VPSDE:
     def generate(self, model: Model, x_T: Tensor, sampler: str, steps: int, labels: Tensor | None = None,
                  generator: torch.Generator | None = None, clip: bool = False) -> Tensor:
         """Samples from x_T ~ N(0, I) with one of `samplers`; `clip` keeps x0_hat in [-1, 1] (images)."""
-        if sampler not in self.samplers:
-            raise ValueError(f"sampler {sampler!r} does not apply to diffusion.kind=vp; choose one of "
-                             f"{', '.join(self.samplers)}")
+        run = self.samplers.choose(sampler)
 
         def eps_fn(x: Tensor, t: Tensor) -> Tensor:
             return self.eps(model, x, t, labels)
 
-        return sample(sampler, clip_denoised(eps_fn, self, 1.0) if clip else eps_fn, self, x_T, steps, generator)
+        return run(clip_denoised(eps_fn, self, 1.0) if clip else eps_fn, self, x_T, steps, generator)
 
     def eps(self, model: Model, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
         """The network's noise prediction eps_hat(x, t) = model(x, 999 t, labels)."""

@@ -16,14 +16,15 @@ from ..diagnostics.stats import oscillation_summary
 from ..runs import saved_sample_shape
 from ..runs.metrics_log import read_metrics, series
 from ..utils.errors import SteadydiffError
-from ..utils.io import atomic_write_text
+from ..utils.io import atomic_write_text, read_json
 from .calibrate import read_calibration
+from .claims import CLAIM_KINDS
 from .inference import judge_ratios
 from .prereg import NOT_RECORDED, claim_status
 from .regime import regime, tied_horizons
 from .runner import read_result, run_dir
 from .spec import TARGETS, Experiment
-from .speedup import BEFORE, BEYOND, fill_diverged, mean_curve, time_shift
+from .speedup import fill_diverged, mean_curve, time_shift
 
 
 class ExperimentError(SteadydiffError):
@@ -142,7 +143,7 @@ def sensitivity_stats(exp: Experiment, out: Path) -> dict[str, dict[int, dict[st
             rdir = run_dir(out, arm, s)
             cache = rdir / "sensitivity.json"
             if cache.exists():
-                res[arm][s] = json.loads(cache.read_text())
+                res[arm][s] = read_json(cache, "delete it to measure the sensitivity again")
                 continue
             if read_result(out, arm, s)["status"] != "ok":
                 res[arm][s] = {}
@@ -162,11 +163,6 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
         return math.nan, math.nan
     with np.errstate(invalid="ignore"):  # a diverged seed (inf) makes the sd undefined: nan, shown as n/a
         return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
-
-
-def _per_seed_ratios(base: list[float], arm: list[float]) -> list[float]:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return [float(a / b) if b != 0 else math.nan for a, b in zip(arm, base)]
 
 
 def _time_shifts(grid: list[int], base: np.ndarray, arm: np.ndarray, lower: bool) -> dict[str, Any]:
@@ -255,7 +251,7 @@ def rerender(exp: Experiment, out: Path, report_command: str = "") -> dict[str, 
     if not path.is_file():
         raise ExperimentError(f"the runs have not finished (there is no {Path(out) / 'runs'}) and there is no {path} "
                               "to re-judge; run `steadydiff compare` without --report-only to train them")
-    rep = json.loads(path.read_text())
+    rep = read_json(path, "restore it, or run `steadydiff compare` without --report-only")
     cfg = exp.run_config(exp.baseline, exp.seeds[0])
     rep.update(description=exp.description, paper=exp.paper, registration=claim_status(exp, out),
                calibration=read_calibration(out), report_command=report_command,
@@ -294,50 +290,17 @@ def judge(claim, rep: dict[str, Any], n_boot: int = 2000) -> dict[str, Any]:
                            "threshold": claim.threshold, "direction": claim.direction, "target": claim.target,
                            "series": claim.series, "stat": claim.stat, "keys": claim.keys,
                            "registration": rep.get("registration", {}).get(claim.name, NOT_RECORDED)}
-    ratios, note, more = None, "", True
-    if claim.kind == "speedup":
-        ts = a["time_shift"][claim.target]
-        if ts.get("per_seed") is None:  # `rerender` of results stored without per-seed curves
-            note = "per-seed curves were not stored with these runs: seed-mean estimate only, no interval"
-        else:
-            ratios = ts["per_seed"]
-            censored = sum(f in (BEYOND, BEFORE) for f in ts["per_seed_flags"])
-            if censored:
-                note = f"{censored} per-seed crossings were outside the budget + one interval and enter at their bound"
-        out["mean_curve"] = {k: ts[k] for k in ("forward", "forward_flag", "reverse", "reverse_flag")}
-        point = ts["forward"]
-    elif claim.kind == "final" and claim.keys:
-        if all(k in a.get("final_of", {}) and k in b.get("final_of", {}) for k in claim.keys):
-            ratios = _per_seed_ratios(*(np.mean([x["final_of"][k] for k in claim.keys], axis=0).tolist()
-                                        for x in (b, a)))
-        else:
-            note = f"{', '.join(claim.keys)} were not stored with these runs"
-        more = not rep["lower_is_better"]
-    elif claim.kind == "final":
-        ratios = _per_seed_ratios(b["final_per_seed"], a["final_per_seed"])
-        more = not rep["lower_is_better"]
-    elif claim.kind == "stability":
-        sa, sb = a["stability"].get(claim.series, {}), b["stability"].get(claim.series, {})
-        if claim.stat in sa and claim.stat in sb:
-            ratios = _per_seed_ratios(sb[claim.stat]["per_seed"], sa[claim.stat]["per_seed"])
-        else:
-            note = f"{claim.stat} of {claim.series} was not logged or not computed for these runs"
-        more = claim.direction == "more"
-    elif claim.kind == "sensitivity":
-        if "sensitivity" in a and "sensitivity" in b:
-            ratios = _per_seed_ratios(b["sensitivity"]["mean_per_seed"], a["sensitivity"]["mean_per_seed"])
-        else:
-            note = "set sensitivity: true in the experiment"
-        more = claim.direction == "more"
-    if ratios is None:
-        res = {"value": point if claim.kind == "speedup" else math.nan, "ci_low": math.nan, "ci_high": math.nan,
-               "verdict": "inconclusive", "interval": "none", "per_seed": [], "agree": "n/a", "n": 0, "p": {},
-               "method": "none", "mdr": math.inf}
+    ev = CLAIM_KINDS.choose(claim.kind).judge(claim, a, b, rep)
+    out.update(ev.extra)
+    if ev.ratios is None:
+        res = {"value": ev.value, "ci_low": math.nan, "ci_high": math.nan, "verdict": "inconclusive",
+               "interval": "none", "per_seed": [], "agree": "n/a", "n": 0, "p": {}, "method": "none",
+               "mdr": math.inf}
     else:
-        res = judge_ratios(ratios, claim.threshold, more, claim.test, n_boot=n_boot)
+        res = judge_ratios(ev.ratios, claim.threshold, ev.more, claim.test, n_boot=n_boot)
     out.update(res)
-    out["claim"] = "more" if more else "less"
-    out["note"] = note
+    out["claim"] = "more" if ev.more else "less"
+    out["note"] = ev.note
     paper = rep.get("paper") or {}
     out["paper_verdict"] = ("not tested in regime" if paper.get("in_regime") is False else
                             out["verdict"] if paper else "no paper regime stated")

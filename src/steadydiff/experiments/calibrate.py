@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..utils.errors import ConfigError
 from ..utils.io import atomic_write_text
 from .inference import minimum_detectable_ratio
 from .runner import run_dir
@@ -72,7 +73,7 @@ def _values(loaded, metric: str, n: int, reference_n: int, repeats: int) -> tupl
         return _eval_values(loaded, metric.removeprefix("eval/"), n, reference_n, repeats)
     if metric in ("val/loss", "val/ema_loss"):
         return _val_values(loaded, metric, n, reference_n, repeats)
-    raise ValueError(f"cannot calibrate {metric!r}: calibration re-measures eval/<metric>, val/loss or val/ema_loss")
+    raise ConfigError(f"cannot calibrate {metric!r}: calibration re-measures eval/<metric>, val/loss or val/ema_loss")
 
 
 def _default_size(cfg, metric: str) -> int:

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..utils.io import atomic_write_text
+from ..utils.io import atomic_write_text, read_json
 from .spec import Claim, Experiment
 
 FILE = "preregistration.json"
@@ -66,7 +66,7 @@ def claim_status(exp: Experiment, out: Path) -> dict[str, str]:
     declared = {c.name: "post hoc (declared in the experiment file)" for c in exp.claims if c.post_hoc}
     if not path.exists():
         return {c.name: declared.get(c.name, NOT_RECORDED) for c in exp.claims}
-    rec = json.loads(path.read_text())
+    rec = read_json(path, "restore it (it records what was declared before the runs)")
     design_changed = rec.get("design") != design_hash(exp)
     status = {}
     for c in exp.claims:

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
-from ..config import Config
+from ..config import Config, config_value
+from ..diffusion import build_formulation
 from ..train.momentum import build_momentum
 from ..train.schedules import build_lr_schedule
+from ..train.timesteps import build_timesteps
 
 # The rows of the regime table, in order, with the labels the report prints.
 REGIME_ROWS = {
@@ -26,10 +28,8 @@ def _model_facts(cfg: Config, sample_shape) -> dict[str, Any]:
 
     with torch.device("meta"):  # shapes only: no memory, no init cost
         net = build_model(cfg.model, tuple(sample_shape))
-    m = cfg.model
-    width = {"unet": m.channels, "edm2": m.channels, "uvit": m.embed_dim, "mlp_unet": m.hidden}[m.backbone]
-    depth = m.depth if m.backbone in ("uvit", "mlp_unet") else f"{len(m.channel_mult)} levels x {m.num_res_blocks}"
-    return {"long_skips": net.num_skips, "width": width, "depth": depth,
+    size = net.describe()  # the backbone's own width and depth
+    return {"long_skips": net.num_skips, "width": size["width"], "depth": size["depth"],
             "params": sum(p.numel() for p in net.parameters())}
 
 
@@ -55,12 +55,9 @@ def regime(cfg: Config, sample_shape) -> dict[str, Any]:
 
 
 def tied_horizons(cfg: Config) -> list[str]:
-    """Schedule horizons of this config that equal train.steps because nothing set them."""
-    t, tied = cfg.train, []
-    if t.timesteps == "clts" and t.clts_steps is None:
-        tied.append("CLTS curriculum length train.clts_steps")
-    if t.momentum != "constant" and t.momentum_steps is None:
-        tied.append(f"{t.momentum} horizon train.momentum_steps")
-    if t.lr_schedule == "cosine":
-        tied.append("cosine LR decay length (train.steps)")
-    return tied
+    """The schedules of this config (noise levels, momentum, LR) whose horizon follows train.steps because no
+    key of their own sets it (train/schedules.py: the horizon fields)."""
+    schedules = (build_timesteps(cfg, build_formulation(cfg.diffusion)), build_momentum(cfg),
+                 build_lr_schedule(cfg.train))
+    return [s.horizon_name for s in schedules
+            if s.horizon is not None and (s.horizon_key is None or config_value(cfg, s.horizon_key) is None)]

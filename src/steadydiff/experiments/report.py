@@ -11,6 +11,7 @@ import numpy as np
 from ..diagnostics.stats import moving_average
 from ..runs.metrics_log import read_metrics, series
 from ..utils.io import atomic_write, atomic_write_text
+from .claims import CLAIM_KINDS
 from .inference import minimum_detectable_ratio
 from .runner import run_dir
 from .spec import Experiment
@@ -52,12 +53,7 @@ def _num(v: Any) -> float:
 
 
 def _what(c: dict[str, Any], rep: dict[str, Any]) -> str:
-    vs = c.get("versus", rep["baseline"])
-    return {"speedup": f"time-shift speed-up at {c.get('target', 'final')} budget vs {vs}",
-            "final": (f"ratio of the mean final {', '.join(c['keys'])} vs {vs}" if c.get("keys") else
-                      f"final metric ratio vs {vs}"),
-            "stability": f"{c.get('stat', '')} of {c.get('series', '')}, ratio vs {vs}",
-            "sensitivity": f"mean R(t), ratio vs {vs}"}[c["kind"]]
+    return CLAIM_KINDS.choose(c["kind"]).label(c, c.get("versus", rep["baseline"]))
 
 
 def _claim_lines(rep: dict[str, Any]) -> list[str]:
@@ -119,7 +115,7 @@ def _regime_lines(rep: dict[str, Any]) -> list[str]:
     if paper.get("note"):
         lines += ["", str(paper["note"]).strip()]
     tied = {arm: a.get("horizons_tied") for arm, a in rep["arms"].items() if a.get("horizons_tied")}
-    if tied and any(c["kind"] == "speedup" for c in rep["claims"]):
+    if tied and any(CLAIM_KINDS.choose(c["kind"]).reads_time_to_target for c in rep["claims"]):
         lines += ["", "**Horizons tied to the budget.** These arms' schedules end at train.steps, so 'steps to reach "
                   "X' is not what a shorter run would need: " + "; ".join(f"{arm}: {', '.join(h)}"
                                                                          for arm, h in tied.items()) + "."]

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..utils.io import atomic_write_text
+from ..utils.io import atomic_write_text, read_json
 from .spec import Experiment
 
 
@@ -27,7 +27,7 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
 
 def read_result(out: Path, arm: str, seed: int) -> dict[str, Any] | None:
     path = run_dir(out, arm, seed) / "result.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_json(path, "delete it to train that run again") if path.exists() else None
 
 
 def train_one(exp_path: str, arm: str, seed: int, out: str, extra: list[str], show_progress: bool,

@@ -14,17 +14,9 @@
     claims:
       - {name: "CS is faster", arm: cs-0.5, kind: speedup, target: final, threshold: 1.0}
 
-Claim kinds, each a per-seed paired ratio judged by `inference.judge_ratios` (a paired t-interval on
-log-ratios, and the claim's pre-registered `test`: t | wilcoxon | sign, at alpha 0.05):
-    speedup      time-shift speed-up at `target` (half | three_quarters | final: 50 / 75 / 100% of the budget):
-                 the step at which the baseline reaches the arm's value there, over that step; holds if above
-                 `threshold`
-    final        arm / baseline ratio of the final metric; holds if on the better side of `threshold`.
-                 With `keys: [a, b, ...]` the value is instead the mean of those metrics.jsonl series at their
-                 last logged step (e.g. the high-noise bins `val/ema_loss/bin7..9`, or a final-only
-                 `eval/fd_fmnist`); they share the metric's direction
-    stability    arm / baseline ratio of `stat` of `series`; holds if below `threshold` (less oscillation)
-    sensitivity  arm / baseline ratio of the mean input sensitivity R(t); holds if below `threshold`
+Claim kinds (`claims.py`: speedup, final, stability, sensitivity, each documented there), each a per-seed
+paired ratio judged by `inference.judge_ratios` (a paired t-interval on log-ratios, and the claim's
+pre-registered `test`: t | wilcoxon | sign, at alpha 0.05).
 
 `versus: ARM` compares final / stability / sensitivity with another arm instead of the baseline, and
 `direction: more` claims a ratio above the threshold (e.g. "sensitivity grows with depth"). `post_hoc: true`
@@ -45,10 +37,10 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, read_yaml
-from ..diffusion import check_sampler
+from ..metrics import METRICS
+from .claims import CLAIM_KINDS
 from .inference import TESTS
 
-CLAIM_KINDS = ("speedup", "final", "stability", "sensitivity")
 STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes",
          "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv", "growth")
 TARGETS = {"half": 0.5, "three_quarters": 0.75, "final": 1.0}  # speed-up targets: fractions of the budget
@@ -105,6 +97,17 @@ class Experiment:
 _KEYS = {"name", "base", "set", "baseline", "arms", "seeds", "metric", "stability", "stability_warmup",
          "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate"}
 _CALIBRATE_KEYS = {"repeats", "n", "reference_n", "arms", "seeds", "metrics", "sizes"}
+
+
+def calibrated_metrics(exp: Experiment) -> list[str]:
+    """The metrics `compare --calibrate` re-measures (`calibrate.py`): eval/<a metric of METRICS>, val/loss or
+    val/ema_loss; a ConfigError for any other (default: the experiment's metric)."""
+    metrics = list(exp.calibrate.get("metrics", [exp.metric]))
+    for m in metrics:
+        if m not in ("val/loss", "val/ema_loss") and not (m.startswith("eval/") and m.removeprefix("eval/") in METRICS):
+            raise ConfigError(f"experiment calibrate: cannot calibrate {m!r}; calibration re-measures eval/<metric> "
+                              f"({', '.join(METRICS)}), val/loss or val/ema_loss")
+    return metrics
 
 
 def _mapping(value: Any, key: str) -> dict[str, Any]:
@@ -164,15 +167,7 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
         if claim.arm not in arms:
             raise ConfigError(f"experiment claims[{i}]: arm {claim.arm!r} is not an arm; "
                               f"choose one of {', '.join(arms)}")
-        if claim.kind not in CLAIM_KINDS:
-            raise ConfigError(f"experiment claims[{i}]: kind {claim.kind!r}; choose one of {', '.join(CLAIM_KINDS)}")
-        if claim.versus is not None and (claim.versus not in arms or claim.kind == "speedup"):
-            raise ConfigError(f"experiment claims[{i}]: versus {claim.versus!r} must name an arm, and speed-ups are "
-                              "always against the baseline")
-        if claim.keys is not None and (claim.kind != "final" or not isinstance(claim.keys, list) or not claim.keys
-                                       or not all(isinstance(k, str) for k in claim.keys)):
-            raise ConfigError(f"experiment claims[{i}]: keys must be a non-empty list of metrics.jsonl keys, and "
-                              "only on kind: final")
+        CLAIM_KINDS.choose(claim.kind, f"experiment claims[{i}]").validate(claim, arms, f"experiment claims[{i}]")
         if claim.direction not in ("less", "more"):
             raise ConfigError(f"experiment claims[{i}]: direction {claim.direction!r}; choose less or more")
         if claim.target not in TARGETS:
@@ -201,10 +196,11 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
         workers=workers, bootstrap=int(raw.get("bootstrap", 2000)), claims=claims,
         description=str(raw.get("description", "")), source=path, paper=paper, calibrate=calibrate,
     )
-    for arm in arms:  # fail now, not after hours of training the other arms
+    if "metrics" in calibrate:
+        calibrated_metrics(exp)
+    for arm in arms:  # fail now, not after hours of training the other arms (the config checks its sampler)
         try:
-            cfg = exp.run_config(arm, seeds[0], extra)
-            check_sampler(cfg.diffusion.kind, cfg.train.sample_sampler, "train.sample_sampler")
+            exp.run_config(arm, seeds[0], extra)
         except ConfigError as e:
             raise ConfigError(f"experiment arm {arm!r}: {e}") from e
     return exp

@@ -9,26 +9,28 @@ Metrics (one sample set is drawn and shared by all requested metrics):
     sw / mmd    sliced Wasserstein distance and RBF MMD^2 on raw points (toy2d)
     class_acc   class-conditional models: the fraction of samples the Fashion-MNIST classifier assigns to the
                 class they were drawn for (class_acc_mnist: the MNIST classifier); what guidance should raise
+
+Each is one `Metric` entry of METRICS: the registry `steadydiff eval --metric`, `train.eval_metrics` and the
+CLI's help read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..utils.errors import ConfigError
+from ..utils.registry import Registry
 from .distances import frechet_distance, gaussian_stats, kid, mmd_rbf, precision_recall, sliced_wasserstein
 
-IMAGE_METRICS = ("fd_fmnist", "fid", "kid", "precision", "recall", "class_acc", "class_acc_mnist")
-POINT_METRICS = ("sw", "mmd")
-METRICS = IMAGE_METRICS + POINT_METRICS
-# What each metric needs of the generated set: features of an extractor, or the raw samples (SAMPLES).
+# What a metric needs of the generated set: features of an extractor (its registry name), that name with the
+# LOGITS suffix (a classifier's logits), or the raw samples (SAMPLES).
 SAMPLES = "samples"
-LOGITS = ":logits"  # suffix: the classifier's logits instead of its features
-NEEDS = {"fd_fmnist": "fmnist", "fid": "inception", "kid": "fmnist", "precision": "fmnist", "recall": "fmnist",
-         "sw": SAMPLES, "mmd": SAMPLES, "class_acc": "fmnist" + LOGITS, "class_acc_mnist": "mnist" + LOGITS}
-CLASS_METRICS = ("class_acc", "class_acc_mnist")
+LOGITS = ":logits"
+IMAGES, POINTS = "images", "points"  # the data a metric applies to: (C, H, W) images or (D,) points
 
 
 class EvalContext:
@@ -86,29 +88,47 @@ def _class_acc(ctx: EvalContext, classifier: str) -> float:
     return (logits.argmax(dim=1) == ctx.labels.cpu()).double().mean().item()
 
 
-METRIC_FNS: dict[str, Callable[[EvalContext], float]] = {
-    "fd_fmnist": lambda ctx: ctx.fd("fmnist"),
-    "fid": lambda ctx: ctx.fd("inception"),
-    "kid": _kid,
-    "precision": lambda ctx: _pr(ctx)[0],
-    "recall": lambda ctx: _pr(ctx)[1],
-    "sw": lambda ctx: sliced_wasserstein(ctx.samples, ctx.real(), generator=torch.Generator().manual_seed(0)),
-    "mmd": lambda ctx: mmd_rbf(ctx.samples, ctx.real()),
-    "class_acc": lambda ctx: _class_acc(ctx, "fmnist"),
-    "class_acc_mnist": lambda ctx: _class_acc(ctx, "mnist"),
-}
+@dataclass(frozen=True)
+class Metric:
+    """fn: the value, from the shared `EvalContext`; needs: what of the generated set it reads (see SAMPLES);
+    domain: IMAGES or POINTS; conditional: it scores class-conditional models only; min_n: the fewest samples
+    it is defined on (a covariance needs 2; precision / recall need more than k = 3 neighbours)."""
+
+    fn: Callable[[EvalContext], float]
+    needs: str
+    domain: str
+    conditional: bool = False
+    min_n: int = 2
 
 
-def parse_metrics(text: str | list[str], sample_ndim: int | None = None) -> list[str]:
+METRICS: Registry[Metric] = Registry("metric", key="train.eval_metrics")
+METRICS.add("fd_fmnist", Metric(lambda ctx: ctx.fd("fmnist"), "fmnist", IMAGES))
+METRICS.add("fid", Metric(lambda ctx: ctx.fd("inception"), "inception", IMAGES))
+METRICS.add("kid", Metric(_kid, "fmnist", IMAGES))
+METRICS.add("precision", Metric(lambda ctx: _pr(ctx)[0], "fmnist", IMAGES, min_n=4))
+METRICS.add("recall", Metric(lambda ctx: _pr(ctx)[1], "fmnist", IMAGES, min_n=4))
+METRICS.add("class_acc", Metric(lambda ctx: _class_acc(ctx, "fmnist"), "fmnist" + LOGITS, IMAGES, conditional=True,
+                                min_n=1))
+METRICS.add("class_acc_mnist", Metric(lambda ctx: _class_acc(ctx, "mnist"), "mnist" + LOGITS, IMAGES,
+                                      conditional=True, min_n=1))
+METRICS.add("sw", Metric(lambda ctx: sliced_wasserstein(ctx.samples, ctx.real(),
+                                                        generator=torch.Generator().manual_seed(0)), SAMPLES, POINTS,
+                         min_n=1))
+METRICS.add("mmd", Metric(lambda ctx: mmd_rbf(ctx.samples, ctx.real()), SAMPLES, POINTS))
+
+
+def parse_metrics(text: str | list[str], sample_ndim: int | None = None, given: str = "--metric") -> list[str]:
+    """Metric names from `a,b,c` (or a list), each checked against METRICS and, given the samples' number of
+    dimensions, against the data (`given`: the flag or config key that named them)."""
     names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
     for m in names:
-        if m not in METRICS:
-            raise ValueError(f"unknown metric {m!r}; choose from {', '.join(METRICS)}")
+        METRICS.choose(m, given)
     if sample_ndim is not None:
-        allowed = POINT_METRICS if sample_ndim == 1 else IMAGE_METRICS
+        domain = POINTS if sample_ndim == 1 else IMAGES
+        allowed = [m for m, metric in METRICS.items() if metric.domain == domain]
         bad = [m for m in names if m not in allowed]
         if bad:
-            raise ValueError(f"metric {bad[0]} does not apply to this data; use {', '.join(allowed)}")
+            raise ConfigError(f"metric {bad[0]} does not apply to this data; use {', '.join(allowed)}")
     return names
 
 
@@ -132,7 +152,7 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
     """
     from ..diffusion.generate import generate_chunks, merge_chunks, sample_labels
     from ..utils.distributed import DistInfo, gather_to_main, local_main_first
-    from .features import get_extractor
+    from .features import CLASSIFIER_RECIPES, get_extractor
 
     info = dist_info if dist_info is not None else DistInfo()
     data_cfg, latent_shape = cfg.data, dataset.sample_shape
@@ -143,17 +163,22 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
         data_cfg = image_store(cfg.data)
         dataset = load_dataset(data_cfg)
     metrics = parse_metrics(metrics, len(dataset.sample_shape))
-    if any(m in CLASS_METRICS for m in metrics) and not cfg.model.num_classes:
-        raise ValueError("class_acc scores class-conditional models; this model has model.num_classes=0")
-    if any(NEEDS[m].split(":")[0] in ("fmnist", "mnist") for m in metrics):
-        if dataset.sample_shape[0] != 1 or dataset.sample_shape[1:] != (28, 28):
-            raise ValueError("fd_fmnist/kid/precision/recall use the 28x28 grayscale Fashion-MNIST classifier; "
-                             "use --metric fid for other image data")
+    conditional = [m for m in metrics if METRICS[m].conditional]
+    if conditional and not cfg.model.num_classes:
+        raise ConfigError(f"{conditional[0]} scores class-conditional models; this model has model.num_classes=0")
+    few = [m for m in metrics if n < METRICS[m].min_n]
+    if few:
+        raise ConfigError(f"{few[0]} needs at least {METRICS[few[0]].min_n} samples, got {n}; raise --n "
+                          "(train.eval_n)")
+    on_classifier = [m for m in metrics if METRICS[m].needs.removesuffix(LOGITS) in CLASSIFIER_RECIPES]
+    if on_classifier and (dataset.sample_shape[0] != 1 or dataset.sample_shape[1:] != (28, 28)):
+        raise ConfigError(f"{'/'.join(on_classifier)} use a 28x28 grayscale classifier's features; use --metric "
+                          "fid for other image data")
     chunks = generate_chunks(model, formulation, latent_shape, n, sampler, steps, seed, device,
                              cfg.model.num_classes, batch=batch, clip=clip, rank=info.rank,
                              world_size=info.world_size, class_label=class_label, decode=decode)
     local: dict[str, dict[int, torch.Tensor]] = {}
-    for need in dict.fromkeys(NEEDS[m] for m in metrics):  # each extractor once, in a fixed order
+    for need in dict.fromkeys(METRICS[m].needs for m in metrics):  # each extractor once, in a fixed order
         if need == SAMPLES:
             local[need] = chunks
             continue
@@ -167,7 +192,7 @@ def evaluate(model, formulation, cfg, dataset, metrics: list[str], n: int, sampl
     fake = {need: merge_chunks([part[need] for part in parts]) for need in local}
     ctx = EvalContext(fake, dataset, data_cfg, n, seed, device, ref_n,
                       sample_labels(0, n, cfg.model.num_classes, class_label))
-    return {m: float(METRIC_FNS[m](ctx)) for m in metrics}
+    return {m: float(METRICS[m].fn(ctx)) for m in metrics}
 
 
 def plot_guidance_sweep(sweep: list[dict[str, Any]], path) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from ..config import DataConfig
 from ..data import load_dataset
+from ..utils.errors import ConfigError
 from ..utils.io import atomic_write
 from .distances import gaussian_stats
 from .features import FeatureExtractor, get_extractor
@@ -103,7 +104,7 @@ def reference_stats(
     and saved there.
     """
     if n is not None and n < 2:
-        raise ValueError(f"n must be >= 2 (a covariance needs two samples) or None, got {n}")
+        raise ConfigError(f"reference statistics: n must be >= 2 images (a covariance needs two; --ref-n), got {n}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     cfg = DataConfig(name=dataset) if isinstance(dataset, str) else dataset

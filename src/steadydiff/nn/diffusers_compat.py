@@ -86,6 +86,7 @@ class DiffusersUNetAdapter(nn.Module):
     Trainer, samplers and diagnostics drive it: `Trainer(cfg, run_dir, model=DiffusersUNetAdapter(unet))`."""
 
     backbone_attr = "unet"  # the child holding the backbone (diagnostics group its blocks inside it)
+    time_input = "vp_time"  # diffusers' sinusoidal timestep embedding is designed for DDPM's 0..999
 
     def __init__(self, unet: nn.Module):
         super().__init__()

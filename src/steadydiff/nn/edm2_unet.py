@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..utils.errors import ConfigError
 from .layers import run_block
 from .mp import MPAttention, MPConv, MPFourier, mp_cat, mp_silu, mp_sum, pixel_norm
 from .skip_scaling import LongSkips, SkipScaling
@@ -96,7 +97,7 @@ class EDM2UNet(LongSkips, nn.Module):
     (one-hot encoded here) or a float (B, label_dim) one-hot / soft matrix; ignored when label_dim = 0.
     """
 
-    edm_noise_scale = 1.0  # EDMPrecond passes c_noise = ln(sigma) / 4 unscaled (MP-Fourier bandwidth 1)
+    time_input = "c_noise"  # EDM's c_noise = ln(sigma) / 4 as is (its MP-Fourier embedding has bandwidth 1)
 
     def __init__(
         self,
@@ -120,9 +121,11 @@ class EDM2UNet(LongSkips, nn.Module):
         self.grad_checkpointing = grad_checkpointing  # recompute each block in backward (memory for compute)
         levels = len(channel_mult)
         if levels < 1 or img_resolution % (2 ** (levels - 1)):
-            raise ValueError(f"img_resolution {img_resolution} is not divisible by 2^{levels - 1}")
+            raise ConfigError(f"img_resolution {img_resolution} is not divisible by 2^{levels - 1}; use fewer "
+                              "levels in model.channel_mult or another data.resolution")
         self.img_resolution, self.img_channels, self.label_dim = img_resolution, img_channels, label_dim
         self.label_balance, self.concat_balance = label_balance, concat_balance
+        self.model_channels, self.levels, self.num_blocks = model_channels, levels, num_blocks
         cblock = [model_channels * m for m in channel_mult]
         cnoise = model_channels * channel_mult_noise if channel_mult_noise is not None else model_channels
         cemb = model_channels * channel_mult_emb if channel_mult_emb is not None else max(cblock)
@@ -171,6 +174,9 @@ class EDM2UNet(LongSkips, nn.Module):
 
         self.skip_channels = skip_ch  # outermost first
         self.attach_skip_scaling(skip_scaling)
+
+    def describe(self) -> dict[str, int | str]:
+        return {"width": self.model_channels, "depth": f"{self.levels} levels x {self.num_blocks}"}
 
     def decoder_blocks(self) -> list[nn.Module]:
         """The skip-consuming decoder blocks, outermost first (block i consumes skip i)."""

@@ -8,6 +8,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from ..utils.errors import ConfigError
+
 
 def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
     """Sinusoidal embedding of (continuous) times t, shape (B,) -> (B, dim) (Vaswani et al. 2017 / DDPM).
@@ -25,7 +27,11 @@ def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tens
 
 def group_norm(channels: int) -> nn.GroupNorm:
     """GroupNorm with up to 32 groups of at least 4 channels (32 groups as in DDPM/ADM for wide layers)."""
-    return nn.GroupNorm(math.gcd(32, max(1, channels // 4)), channels)
+    groups = math.gcd(32, max(1, channels // 4))
+    if channels % groups:
+        raise ConfigError(f"GroupNorm cannot split {channels} channels into {groups} groups; make model.channels "
+                          "divisible by 4")
+    return nn.GroupNorm(groups, channels)
 
 
 def zero_module(module: nn.Module) -> nn.Module:

@@ -33,7 +33,7 @@ class MLPBlock(nn.Module):
 
 
 class MLPUNet(LongSkips, nn.Module):
-    edm_noise_scale = 250.0  # see UNet.edm_noise_scale
+    time_input = "vp_time"  # a sinusoidal embedding designed for VP's model time 999 t
 
     def __init__(
         self,
@@ -50,6 +50,7 @@ class MLPUNet(LongSkips, nn.Module):
         if depth < 2:
             raise ValueError(f"depth must be >= 2 (depth // 2 encoder and decoder blocks), got {depth}")
         n = depth // 2
+        self.hidden, self.depth = hidden, depth
         self.num_classes = num_classes
         self.embed = TimeEmbedding(hidden, hidden, num_classes)
         self.inp = nn.Linear(dim, hidden)
@@ -61,6 +62,9 @@ class MLPUNet(LongSkips, nn.Module):
         self.out = zero_module(nn.Linear(hidden, dim))
         self.skip_channels = [hidden] * n
         self.attach_skip_scaling(skip_scaling)
+
+    def describe(self) -> dict[str, int | str]:
+        return {"width": self.hidden, "depth": self.depth}
 
     def decoder_blocks(self) -> list[nn.Module]:
         """The skip-consuming decoder blocks, outermost first (up[0] runs first and takes the innermost skip)."""

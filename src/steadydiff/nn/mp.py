@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..utils.errors import ConfigError
+
 __all__ = ["MPAttention", "MPConv", "MPFourier", "mp_cat", "mp_silu", "mp_sum", "normalize", "pixel_norm"]
 
 
@@ -123,7 +125,8 @@ class MPAttention(nn.Module):
     def __init__(self, channels: int, channels_per_head: int = 64):
         super().__init__()
         if channels_per_head < 1 or channels % channels_per_head:
-            raise ValueError(f"attention channels {channels} not divisible by channels_per_head {channels_per_head}")
+            raise ConfigError(f"attention channels {channels} not divisible by channels_per_head {channels_per_head}; "
+                              "make model.channels x model.channel_mult divisible by model.channels_per_head")
         self.num_heads = channels // channels_per_head
         self.qkv = MPConv(channels, 3 * channels, (1, 1))
         self.proj = MPConv(channels, channels, (1, 1))

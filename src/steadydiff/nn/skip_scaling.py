@@ -32,6 +32,7 @@ matters if the block that fuses the skip does not divide it out again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -79,15 +80,24 @@ class LongSkips:
     first) and call `attach_skip_scaling`; the forward pass calls `self.skip_scaling(i, skip)` if set.
 
     A backbone describes itself to the diagnostics (and to the EDM preconditioner) through
-    `decoder_blocks()`: its skip-consuming decoder blocks, outermost first, block i consuming skip i. Adding
-    a backbone therefore never means editing the diagnostics.
+    `decoder_blocks()`: its skip-consuming decoder blocks, outermost first, block i consuming skip i; to
+    reports through `describe()`; and to the EDM preconditioner through `time_input`, the convention of its
+    noise-level input (`diffusion/edm.py` TIME_INPUT_SCALES): "vp_time" for an embedding designed for VP's
+    model time 999 t (sinusoidal), "c_noise" for EDM's c_noise = ln(sigma) / 4 itself. Adding a backbone
+    therefore never means editing the diagnostics, the formulations or the reports.
     """
 
     skip_channels: list[int]
+    time_input: str
 
     def decoder_blocks(self) -> list[nn.Module]:
         raise NotImplementedError(f"{type(self).__name__} must list its skip-consuming decoder blocks, outermost "
                                   "first, in decoder_blocks()")
+
+    def describe(self) -> dict[str, Any]:
+        """{"width": ..., "depth": ...} in the terms a paper states its model's size in (the regime table of
+        experiment reports)."""
+        raise NotImplementedError(f"{type(self).__name__} must give its width and depth in describe()")
 
     @property
     def num_skips(self) -> int:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..utils.errors import ConfigError
 from .layers import TimeEmbedding, group_norm, run_block, zero_module
 from .skip_scaling import LongSkips, SkipScaling
 
@@ -46,7 +47,8 @@ class Attention(nn.Module):
     def __init__(self, channels: int, num_heads: int):
         super().__init__()
         if channels % num_heads:
-            raise ValueError(f"attention channels {channels} not divisible by num_heads {num_heads}")
+            raise ConfigError(f"attention channels {channels} not divisible by num_heads {num_heads}; make "
+                              "model.channels x model.channel_mult divisible by model.num_heads")
         self.num_heads = num_heads
         self.norm = group_norm(channels)
         self.qkv = nn.Conv2d(channels, 3 * channels, 1)
@@ -88,9 +90,7 @@ class Stage(nn.Sequential):
 
 
 class UNet(LongSkips, nn.Module):
-    # Under EDM the model time is c_noise = ln(sigma)/4 (~[-1.6, 1.1]); scaled by 250 it spans a range like
-    # VP's 0..999, for which the sinusoidal embedding is designed (see diffusion/edm.py EDMPrecond).
-    edm_noise_scale = 250.0
+    time_input = "vp_time"  # a sinusoidal embedding designed for VP's model time 999 t
 
     def __init__(
         self,
@@ -110,11 +110,12 @@ class UNet(LongSkips, nn.Module):
         self.grad_checkpointing = grad_checkpointing  # recompute each stage in backward (memory for compute)
         levels = len(channel_mult)
         if resolution % (2 ** (levels - 1)):
-            raise ValueError(
+            raise ConfigError(
                 f"resolution {resolution} is not divisible by 2^{levels - 1}; use fewer levels in "
                 f"model.channel_mult or a resolution divisible by {2 ** (levels - 1)}"
             )
         emb_dim = 4 * channels
+        self.channels, self.levels, self.num_res_blocks = channels, levels, num_res_blocks
         self.in_channels = in_channels
         self.num_classes = num_classes
         self.embed = TimeEmbedding(channels, emb_dim, num_classes)
@@ -157,6 +158,9 @@ class UNet(LongSkips, nn.Module):
         self.out = nn.Sequential(group_norm(ch), nn.SiLU(), zero_module(nn.Conv2d(ch, in_channels, 3, padding=1)))
         self.skip_channels = skip_ch  # outermost first
         self.attach_skip_scaling(skip_scaling)
+
+    def describe(self) -> dict[str, int | str]:
+        return {"width": self.channels, "depth": f"{self.levels} levels x {self.num_res_blocks}"}
 
     def decoder_blocks(self) -> list[nn.Module]:
         """The skip-consuming decoder blocks, outermost first: every up-stage consumes exactly one skip, and

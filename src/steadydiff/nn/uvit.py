@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from ..utils.errors import ConfigError
 from .layers import embed_labels, timestep_embedding
 from .skip_scaling import LongSkips, SkipScaling, TokenGate
 
@@ -26,7 +27,8 @@ class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = False):
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
+            raise ConfigError(f"embed_dim {dim} is not divisible by num_heads {num_heads}; make model.embed_dim "
+                              "divisible by model.num_heads")
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
@@ -86,7 +88,7 @@ class PatchEmbed(nn.Module):
 
 class UViT(LongSkips, nn.Module):
     skip_gate = TokenGate  # LS in the official code gates tokens (mean over the embedding dim)
-    edm_noise_scale = 250.0  # see UNet.edm_noise_scale
+    time_input = "vp_time"  # a sinusoidal time token designed for VP's model time 999 t
 
     def __init__(
         self,
@@ -109,7 +111,7 @@ class UViT(LongSkips, nn.Module):
             raise ValueError(f"image size {img_size} is not divisible by patch size {patch_size}")
         if depth < 2:
             raise ValueError(f"depth must be >= 2 (depth // 2 in- and out-blocks), got {depth}")
-        self.in_chans, self.patch_size, self.embed_dim = in_chans, patch_size, embed_dim
+        self.in_chans, self.patch_size, self.embed_dim, self.depth = in_chans, patch_size, embed_dim, depth
         self.num_classes = num_classes
         self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         num_patches = (img_size // patch_size) ** 2
@@ -146,6 +148,9 @@ class UViT(LongSkips, nn.Module):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+
+    def describe(self) -> dict[str, int | str]:
+        return {"width": self.embed_dim, "depth": self.depth}
 
     def decoder_blocks(self) -> list[nn.Module]:
         """The skip-consuming out-blocks, outermost first (out_blocks[0] runs first, on the innermost skip)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..utils.registry import Registry
+
 
 @dataclass
 class MomentumSchedule:
@@ -36,17 +38,28 @@ class MomentumSchedule:
     def lr_factor(self, step: int) -> float:
         return (1 - self.beta0) / (1 - self.demon_beta1(step)) if self.compensate_lr else 1.0
 
+    horizon_key = "train.momentum_steps"  # see schedules.py for the horizon fields
 
-MOMENTUM_PRESETS = {
-    "constant": dict(decay_beta=False, compensate_lr=False),
-    "mdlrc": dict(decay_beta=True, compensate_lr=True),
-    "momentum_decay_only": dict(decay_beta=True, compensate_lr=False),
-    "lr_decay_only": dict(decay_beta=False, compensate_lr=True),
-}
+    @property
+    def horizon(self) -> int | None:
+        """K_m, where tau reaches 1 and beta1 / the LR factor stop changing; None when neither changes."""
+        return self.steps if self.decay_beta or self.compensate_lr else None
+
+    @property
+    def horizon_name(self) -> str:
+        return f"{self.name} horizon train.momentum_steps"
+
+
+# train.momentum -> what decays (beta1 by the Demon rule) and what compensates (the LR).
+MOMENTUM_PRESETS = Registry("momentum schedule", key="train.momentum")
+MOMENTUM_PRESETS.add("constant", dict(decay_beta=False, compensate_lr=False))
+MOMENTUM_PRESETS.add("mdlrc", dict(decay_beta=True, compensate_lr=True))
+MOMENTUM_PRESETS.add("momentum_decay_only", dict(decay_beta=True, compensate_lr=False))
+MOMENTUM_PRESETS.add("lr_decay_only", dict(decay_beta=False, compensate_lr=True))
 
 
 def build_momentum(cfg) -> MomentumSchedule:
     """From a Config: train.momentum names a preset; K_m = train.momentum_steps or train.steps."""
     t = cfg.train
     return MomentumSchedule(beta0=t.betas[0], steps=t.momentum_steps or t.steps, beta_end=t.momentum_beta_end,
-                            name=t.momentum, **MOMENTUM_PRESETS[t.momentum])
+                            name=t.momentum, **MOMENTUM_PRESETS.choose(t.momentum))

@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..utils.errors import SteadydiffError
+from ..utils.registry import Registry
 
 
 class NonFiniteLossError(SteadydiffError):
@@ -80,12 +81,11 @@ class SkipNonFinite(StopOnNonFinite):
 
 
 # train.nonfinite -> the policy, built from a TrainConfig and the checkpoint directory.
-NONFINITE_POLICIES = {
-    "stop": lambda t, ckpt_dir: StopOnNonFinite(ckpt_dir),
-    "skip": lambda t, ckpt_dir: SkipNonFinite(ckpt_dir, t.max_consecutive_skips),
-}
+NONFINITE_POLICIES = Registry("non-finite policy", key="train.nonfinite")
+NONFINITE_POLICIES.add("stop", lambda t, ckpt_dir: StopOnNonFinite(ckpt_dir))
+NONFINITE_POLICIES.add("skip", lambda t, ckpt_dir: SkipNonFinite(ckpt_dir, t.max_consecutive_skips))
 
 
 def build_nonfinite_policy(t, ckpt_dir: Path) -> StopOnNonFinite:
     """The policy train.nonfinite names (a TrainConfig `t`)."""
-    return NONFINITE_POLICIES[t.nonfinite](t, ckpt_dir)
+    return NONFINITE_POLICIES.choose(t.nonfinite)(t, ckpt_dir)

@@ -21,6 +21,7 @@ Public API: :func:`sigma_rel_to_gamma`, :func:`gamma_to_sigma_rel`, :func:`power
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -31,11 +32,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from ..config import SIGMA_REL_MAX  # 1/sqrt(12), the supremum of sigma_rel (Eq. 123)
+from ..utils.errors import SteadydiffError
 from ..utils.io import atomic_write
 
 __all__ = [
@@ -335,6 +337,21 @@ class Snapshot:
     gamma: float
 
 
+class SnapshotError(SteadydiffError):
+    """A post-hoc EMA snapshot file is unreadable; the message names it and the fix."""
+
+
+@contextlib.contextmanager
+def _open_snapshot(path: Path):
+    """safe_open(path), with a damaged file (truncated by a full disk, overwritten) as one `SnapshotError`."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (OSError, SafetensorError) as e:
+        raise SnapshotError(f"post-hoc EMA snapshot {path} is unreadable ({e}); delete it (the reconstruction "
+                            "then uses the other snapshots) or retrain to regenerate it") from e
+
+
 def list_snapshots(directory: str | os.PathLike) -> list[Snapshot]:
     """All ``phema-*.safetensors`` files in ``directory``, sorted by (step, sigma_rel).
 
@@ -346,7 +363,7 @@ def list_snapshots(directory: str | os.PathLike) -> list[Snapshot]:
         m = _NAME_RE.match(path.name)
         if m is None or not path.is_file():
             continue
-        with safe_open(str(path), framework="pt") as f:
+        with _open_snapshot(path) as f:
             meta = f.metadata() or {}
         step = int(meta["step"]) if "step" in meta else int(m.group(1))
         sigma_rel = float(meta["sigma_rel"]) if "sigma_rel" in meta else float(m.group(2))
@@ -405,7 +422,7 @@ def reconstruct(snapshots: Sequence[Snapshot] | str | os.PathLike, targets: Iter
             needs_buf = [j for j, c in enumerate(cols) if buf_src[c] == i]
             if all(v == 0.0 for v in coef) and not needs_buf:
                 continue
-            with safe_open(str(snap.path), framework="pt") as f:
+            with _open_snapshot(snap.path) as f:
                 bnames = _buffer_names(f.metadata())
                 names = list(f.keys())
                 pnames = [n for n in names if n not in bnames]

@@ -1,12 +1,19 @@
 """Learning-rate schedules: objects mapping the optimiser step k (0-based) to a multiplier of train.lr.
 
 All share the same linear warm-up min(1, (k + 1) / warmup_steps), so the first step already moves.
+
+Every schedule (here, momentum.py, timesteps.py) states its own horizon for experiment reports: `horizon`,
+the step where it ends (None: it never ends), `horizon_key`, the config key that sets it (None: train.steps
+itself), and `horizon_name`. A horizon that follows train.steps makes a shorter run of the same config run a
+compressed schedule, so "steps to reach X" read off a longer run is not what the shorter one needs.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from ..utils.registry import Registry
 
 
 def _warmup(step: int, warmup_steps: int) -> float:
@@ -18,6 +25,7 @@ class WarmupConstant:
     """Linear warm-up, then constant (U-ViT/ScaleLong: 2,500 warm-up steps)."""
 
     warmup_steps: int = 0
+    horizon = None  # constant after the warm-up: nothing ends
 
     def __call__(self, step: int) -> float:
         return _warmup(step, self.warmup_steps)
@@ -29,6 +37,12 @@ class WarmupCosine:
 
     warmup_steps: int
     total_steps: int
+    horizon_key = None  # the decay always ends at train.steps
+    horizon_name = "cosine LR decay length (train.steps)"
+
+    @property
+    def horizon(self) -> int:
+        return self.total_steps
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -47,19 +61,19 @@ class InverseSqrt:
 
     warmup_steps: int
     ref_steps: int
+    horizon = None  # decays for ever (t_ref is where the decay starts, not where it ends)
 
     def __call__(self, step: int) -> float:
         return _warmup(step, self.warmup_steps) / math.sqrt(max(step / self.ref_steps, 1.0))
 
 
 # train.lr_schedule -> the schedule, built from a TrainConfig.
-LR_SCHEDULES = {
-    "constant": lambda t: WarmupConstant(t.warmup_steps),
-    "cosine": lambda t: WarmupCosine(t.warmup_steps, t.steps),
-    "inv_sqrt": lambda t: InverseSqrt(t.warmup_steps, t.lr_ref_steps),
-}
+LR_SCHEDULES = Registry("LR schedule", key="train.lr_schedule")
+LR_SCHEDULES.add("constant", lambda t: WarmupConstant(t.warmup_steps))
+LR_SCHEDULES.add("cosine", lambda t: WarmupCosine(t.warmup_steps, t.steps))
+LR_SCHEDULES.add("inv_sqrt", lambda t: InverseSqrt(t.warmup_steps, t.lr_ref_steps))
 
 
 def build_lr_schedule(cfg) -> WarmupConstant | WarmupCosine | InverseSqrt:
-    """From a TrainConfig: `lr_schedule` constant | cosine | inv_sqrt."""
-    return LR_SCHEDULES[cfg.lr_schedule](cfg)
+    """From a TrainConfig: the schedule `lr_schedule` names (LR_SCHEDULES)."""
+    return LR_SCHEDULES.choose(cfg.lr_schedule)(cfg)

@@ -17,11 +17,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..utils.registry import Registry
+
 
 class BaseTimesteps:
     """The formulation's own draw (`formulation.sample_t`): uniform t (VP), log-normal sigma (EDM)."""
 
     name = "base"
+    horizon = None  # the same draw at every step
 
     def __init__(self, formulation):
         self.formulation = formulation
@@ -35,6 +38,8 @@ class BaseTimesteps:
 
 class CLTSTimesteps:
     name = "clts"
+    horizon_key = "train.clts_steps"  # see schedules.py for the horizon fields
+    horizon_name = "CLTS curriculum length train.clts_steps"
 
     def __init__(self, mu: float = 0.3, sigma: float = 0.2, curriculum_steps: int = 1, bins: int = 1000,
                  importance: bool = False, eps: float = 1e-5):
@@ -44,6 +49,11 @@ class CLTSTimesteps:
         centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
         g = torch.exp(-((centres - mu) ** 2) / (2 * sigma**2))
         self.gaussian = g / g.sum()  # G normalised on the grid
+
+    @property
+    def horizon(self) -> int:
+        """K_c, where lambda_k reaches 1 and the curriculum ends."""
+        return self.curriculum_steps
 
     def lam(self, step: int) -> float:
         return min(1.0, step / self.curriculum_steps)
@@ -69,16 +79,15 @@ class CLTSTimesteps:
 
 # train.timesteps -> the noise-level sampler, built from a TrainConfig and the formulation. CLTS's horizon
 # K_c defaults to train.steps.
-TIMESTEP_SAMPLERS = {
-    "base": lambda t, formulation: BaseTimesteps(formulation),
-    "clts": lambda t, formulation: CLTSTimesteps(t.clts_mu, t.clts_sigma, t.clts_steps or t.steps,
-                                                  importance=t.clts_importance, eps=formulation.t_eps),
-}
+TIMESTEP_SAMPLERS = Registry("timestep sampler", key="train.timesteps")
+TIMESTEP_SAMPLERS.add("base", lambda t, formulation: BaseTimesteps(formulation))
+TIMESTEP_SAMPLERS.add("clts", lambda t, formulation: CLTSTimesteps(
+    t.clts_mu, t.clts_sigma, t.clts_steps or t.steps, importance=t.clts_importance, eps=formulation.t_eps))
 
 
 def build_timesteps(cfg, formulation) -> BaseTimesteps | CLTSTimesteps:
-    """From a Config: train.timesteps = base | clts."""
-    return TIMESTEP_SAMPLERS[cfg.train.timesteps](cfg.train, formulation)
+    """From a Config: the sampler train.timesteps names (TIMESTEP_SAMPLERS)."""
+    return TIMESTEP_SAMPLERS.choose(cfg.train.timesteps)(cfg.train, formulation)
 
 
 def level_histogram(levels: list[Tensor], bins: int = 10) -> list[int]:

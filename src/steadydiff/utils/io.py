@@ -1,10 +1,15 @@
-"""Atomic file writes: a crash mid-write never leaves a half-written file under the final name."""
+"""Atomic file writes (a crash mid-write never leaves a half-written file under the final name), and JSON reads
+that fail in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from .errors import SteadydiffError
 
 
 def fsync_dir(path: Path) -> None:
@@ -41,3 +46,11 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda p: p.write_text(text))
+
+
+def read_json(path: str | Path, fix: str) -> Any:
+    """The JSON in `path`; a damaged file (hand-edited, truncated) is a one-line SteadydiffError ending in `fix`."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SteadydiffError(f"{path} is not valid JSON ({e}); {fix}") from e

@@ -1,0 +1,56 @@
+"""`steadydiff compare`: the whole flow of one experiment, from its file to results.json and report.md.
+
+Train the arms x seeds that are not finished (recording the design and claims first, so that later claim
+changes are marked post hoc), optionally calibrate the metric's noise, analyse, plot, and write the report.
+With `report_only` nothing trains: the finished runs are analysed again, or, when the runs are gone, the
+claims are re-judged from the stored results.json.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..utils.io import atomic_write_text
+from .analysis import analyse, rerender
+from .calibrate import run_calibration
+from .prereg import record
+from .report import plot_experiment, write_markdown
+from .runner import run_experiment
+from .spec import calibrated_metrics, load_experiment
+
+COMMAND_FILE = "command.txt"  # the command that trained the runs, quoted by reports regenerated later
+
+
+def compare(experiment: str | Path, out: str | Path, overrides: list[str], argv: list[str], *,
+            workers: int | None = None, report_only: bool = False, calibrate: bool = False,
+            show_progress: bool = True, say: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Run `steadydiff compare` with these arguments (`argv`: the command line after `steadydiff`, quoted in
+    the report); returns the analysed report (its `claims` hold the verdicts). `say` gets progress lines."""
+    exp = load_experiment(experiment, overrides)
+    if calibrate:
+        calibrated_metrics(exp)  # before training, not after
+    out = Path(out)
+    command = "steadydiff " + " ".join(shlex.quote(a) for a in argv)
+    ran_by = out / COMMAND_FILE
+    report_command = ""
+    if not report_only:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(ran_by, command + "\n")
+        if record(exp, out):  # before anything trains: later claim changes are marked post hoc
+            say(f"recorded the design and {len(exp.claims)} claims in {out}/preregistration.json")
+        run_experiment(exp, out, overrides, workers=workers, show_progress=show_progress)
+    elif ran_by.is_file():
+        command, report_command = ran_by.read_text().strip(), command
+    if report_only and not (out / "runs").is_dir():
+        rep = rerender(exp, out, report_command=report_command or command)
+        say("re-judged the claims from the stored results.json (the runs are not here)")
+    else:
+        if calibrate:
+            run_calibration(exp, out)
+        rep = analyse(exp, out, command=command, report_command=report_command)
+        plot_experiment(exp, rep, out)
+    write_markdown(rep, out)
+    return rep
