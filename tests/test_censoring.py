@@ -193,3 +193,77 @@ def test_registration_is_refused_once_any_run_exists(tmp_path):
     fresh.mkdir()
     assert record(exp, fresh)
     assert json.loads((fresh / FILE).read_text())["runs_at_record"] == 0
+
+
+def _exp_file(tmp_path, claims, seeds=(0, 1, 2, 3, 4), **extra):
+    import yaml
+
+    from test_experiments import _write_experiment
+
+    path = _write_experiment(tmp_path, claims=claims, seeds=list(seeds), **extra)
+    spec = yaml.safe_load(path.read_text())
+    return path, spec
+
+
+@pytest.mark.parametrize("claim, needle", [
+    ({"name": "x", "arm": "cs", "kind": "speedup", "target": "final", "threshold": 1.5},
+     "grid reports at most 1.25 there"),
+    ({"name": "x", "arm": "cs", "kind": "final", "test": "sign"}, "the sign test cannot reject at alpha 0.05 with 5"),
+    ({"name": "x", "arm": "cs", "kind": "final", "test": "wilcoxon"}, "it needs 6"),
+])
+def test_claims_that_cannot_hold_are_refused_before_training(tmp_path, capsys, claim, needle):
+    from steadydiff.cli import main
+
+    path, _ = _exp_file(tmp_path, [claim])
+    assert main(["compare", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and needle in err[0] and not (tmp_path / "out" / "runs").exists()
+
+
+def _rep(base: np.ndarray, arm: np.ndarray, grid, registration="pre-registered"):
+    return {"baseline": "base", "lower_is_better": True, "grid": list(grid), "seeds": list(range(len(base))),
+            "registration": {}, "arms": {"base": {"curves_per_seed": base.tolist()},
+                                         "arm": {"curves_per_seed": arm.tolist()}}}
+
+
+def test_a_speedup_to_a_target_value_reads_both_crossings_inside_the_grid():
+    from steadydiff.experiments.analysis import judge
+    from steadydiff.experiments.spec import Claim
+
+    grid = np.arange(100, 4001, 100, dtype=np.float64)
+
+    def curve(rate, seed):
+        return (0.05 + 0.5 * np.exp(-rate * grid)) * np.exp(0.005 * np.random.default_rng(seed).standard_normal(40))
+
+    base = np.stack([curve(1 / 900, s) for s in range(6)])
+    arm = np.stack([curve(1.5 / 900, 10 + s) for s in range(6)])
+    rep = _rep(base, arm, grid)
+    c = judge(Claim("to 0.1", "arm", "speedup", threshold=1.2, target_value=0.1), rep)
+    assert c["n_bound"] == 0 and c["value"] == pytest.approx(1.5, rel=0.05) and c["verdict"] == "holds"
+    # A level the arm reaches but the baseline never does: every seed is a lower bound, and nothing more.
+    far = judge(Claim("to 0.053", "arm", "speedup", threshold=1.2, target_value=0.053), rep)
+    assert far["n_bound"] == 6 and math.isnan(far["value"]) and all(b == ">=" for b in far["bounds"])
+
+
+def test_holm_downgrades_a_verdict_and_every_report_states_the_familywise_chance(tmp_path):
+    from steadydiff.experiments.analysis import judge_claims
+    from steadydiff.experiments.report import _claim_lines
+    from steadydiff.experiments.spec import Claim
+
+    class Exp:
+        bootstrap, unreachable = 200, {}
+        claims = [Claim(f"c{i}", "arm", "final") for i in range(4)]
+
+    finals = {"base": [1.0] * 5, "arm": [0.92, 0.96, 0.99, 0.93, 0.98]}  # t-test p = 0.034: holds unadjusted
+    rep = {"baseline": "base", "lower_is_better": True, "seeds": list(range(5)), "grid": [],
+           "registration": {f"c{i}": "pre-registered" for i in range(3)},  # c3 was not registered
+           "arms": {k: {"final_per_seed": v} for k, v in finals.items()}}
+    for rule, expect in (("none", "holds"), ("holm", "inconclusive")):
+        Exp.multiplicity = rule
+        claims = judge_claims(Exp, rep)
+        assert [c["verdict"] for c in claims[:3]] == [expect] * 3 and claims[3]["verdict"] == "holds"
+        assert rep["multiplicity"]["confirmatory"] == 3
+        text = "\n".join(_claim_lines({**rep, "claims": claims}))
+        assert "chance of at least one false 'holds' among them is about 14%" in text
+        assert "holds (exploratory)" in text and "**holds (exploratory)" not in text  # never the bold word
+    assert "Holm-adjusted p" in claims[0]["verdict_note"]

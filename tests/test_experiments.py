@@ -80,10 +80,12 @@ def test_twice_as_fast_arm_gives_speedup_two():
 
 
 def test_noisy_seeds_give_an_interval_that_covers_the_truth_and_excludes_one():
+    # 1.5x faster: at half the budget the baseline's crossing (at 0.75 of it) lies inside the grid, so every
+    # per-seed speed-up is a value (2x would put it at the grid's end, where noise makes some crossings bounds).
     base = np.stack([exp_curve(1e-3, 0.03, seed=s) for s in range(5)])
-    arm = np.stack([exp_curve(2e-3, 0.03, seed=10 + s) for s in range(5)])
+    arm = np.stack([exp_curve(1.5e-3, 0.03, seed=10 + s) for s in range(5)])
     c = _shift_claim(base, arm, "half")
-    assert c["ci_low"] < 2.0 < c["ci_high"] and c["ci_low"] > 1.0
+    assert c["n_bound"] == 0 and c["ci_low"] < 1.5 < c["ci_high"] and c["ci_low"] > 1.0
     assert c["verdict"] == "holds" and "paired t" in c["interval"] and "n=5" in c["interval"]
 
 
@@ -419,8 +421,15 @@ def test_preregistration_record_and_status(tmp_path):
 @pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).parents[1].glob("experiments/*.yaml")),
                          ids=lambda p: p.stem)
 def test_every_committed_experiment_file_loads_and_configures_every_run(path):
-    """An experiment file with a typo would fail only when someone runs it, after its pre-registration."""
-    exp = load_experiment(path)
+    """An experiment file with a typo would fail only when someone runs it, after its pre-registration.
+    Six claims committed before the load-time check existed ask for speed-ups above what their evaluation grid
+    can report (1.06-1.125): they load only for re-judging (strict=False), and a new run of them is refused."""
+    unreachable = {"clts-mdlrc": 1, "combined": 2, "scalelong-main": 1, "scalelong-unet": 1, "scalelong-uvit": 1}
+    exp = load_experiment(path, strict=False)
+    assert len(exp.unreachable) == unreachable.get(path.stem, 0)
+    if exp.unreachable:
+        with pytest.raises(ConfigError, match="can never be shown"):
+            load_experiment(path)
     assert exp.baseline in exp.arms and len(exp.seeds) >= 1
     for arm in exp.arms:
         cfg = exp.run_config(arm, exp.seeds[0])

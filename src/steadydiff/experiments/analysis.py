@@ -19,8 +19,8 @@ from ..utils.errors import SteadydiffError
 from ..utils.io import atomic_write_text, read_json
 from .calibrate import read_calibration
 from .claims import CLAIM_KINDS
-from .inference import judge_ratios
-from .prereg import NOT_RECORDED, claim_status
+from .inference import ALPHA, familywise_error, holm, judge_ratios
+from .prereg import NOT_RECORDED, PRE_REGISTERED, claim_status
 from .regime import regime, tied_horizons
 from .runner import read_result, run_dir
 from .spec import TARGETS, Experiment
@@ -269,10 +269,42 @@ def rerender(exp: Experiment, out: Path, report_command: str = "") -> dict[str, 
     return rep
 
 
+def _diverged_note(rep: dict[str, Any], *arms: str) -> str:
+    """'org: 2 of 5 seeds diverged (at steps 150, 150)' for each named arm with a diverged seed."""
+    parts = []
+    for arm in dict.fromkeys(arms):
+        entry = rep["arms"][arm]
+        div = entry.get("diverged") or []
+        if div:
+            at = entry.get("diverged_at") or {}
+            steps = ", ".join(str(at.get(s, at.get(str(s), "?"))) for s in div)
+            parts.append(f"{arm}: {len(div)} of {len(rep['seeds'])} seeds diverged (at steps {steps}) and count as "
+                         "its worst outcome, never as missing")
+    return "; ".join(parts)
+
+
 def judge_claims(exp: Experiment, rep: dict[str, Any]) -> list[dict[str, Any]]:
     """Every claim judged from `rep` alone (an `analyse` result, or an older results.json), so that reports
-    can be re-rendered from stored results."""
-    return [judge(c, rep, exp.bootstrap) for c in exp.claims]
+    can be re-rendered from stored results; then the family of confirmatory claims: how many, the chance of
+    a false "holds" among them under no effect, and, with `multiplicity: holm`, Holm's correction (a verdict
+    stands only where its adjusted p < alpha)."""
+    claims = [judge(c, rep, exp.bootstrap) for c in exp.claims]
+    for c in claims:
+        why = exp.unreachable.get(c["name"])
+        if why:
+            c["note"] = "; ".join(n for n in (c["note"], "no outcome could make this claim hold as written: "
+                                              + why.split(": ", 1)[-1]) if n)
+    family = [c for c in claims if c["confirmatory"]]
+    rep["multiplicity"] = {"rule": exp.multiplicity, "confirmatory": len(family),
+                           "familywise_error": familywise_error(len(family)) if family else 0.0}
+    if exp.multiplicity == "holm" and family:
+        ps = [_float(c.get("p_verdict")) for c in family]
+        for c, adj in zip(family, holm([p if math.isfinite(p) else 1.0 for p in ps])):
+            c["p_adjusted"] = adj
+            if c["verdict"] != "inconclusive" and not adj < ALPHA:
+                c["verdict_note"] = f"unadjusted: {c['verdict']}; Holm-adjusted p = {adj:.3g}"
+                c["verdict"] = "inconclusive"
+    return claims
 
 
 def _float(v: Any) -> float:
@@ -297,10 +329,12 @@ def judge(claim, rep: dict[str, Any], n_boot: int = 2000) -> dict[str, Any]:
                "interval": "none", "per_seed": [], "agree": "n/a", "n": 0, "p": {}, "method": "none",
                "mdr": math.inf}
     else:
-        res = judge_ratios(ev.ratios, claim.threshold, ev.more, claim.test, n_boot=n_boot)
+        res = judge_ratios(ev.ratios, claim.threshold, ev.more, claim.test, n_boot=n_boot, bounds=ev.bounds)
     out.update(res)
     out["claim"] = "more" if ev.more else "less"
-    out["note"] = ev.note
+    out["note"] = "; ".join(n for n in (ev.note, _diverged_note(rep, claim.arm, versus)) if n)
+    # Only a claim registered before its runs is confirmatory; the others are exploratory, and say so.
+    out["confirmatory"] = out["registration"] == PRE_REGISTERED
     paper = rep.get("paper") or {}
     out["paper_verdict"] = ("not tested in regime" if paper.get("in_regime") is False else
                             out["verdict"] if paper else "no paper regime stated")

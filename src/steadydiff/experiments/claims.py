@@ -19,7 +19,7 @@ import numpy as np
 
 from ..utils.errors import ConfigError
 from ..utils.registry import Registry
-from .speedup import BEFORE, BEYOND
+from .speedup import BEFORE, BEYOND, EXTRAPOLATED, INTERPOLATED, monotone_fit, reach_step
 
 
 @dataclass
@@ -33,12 +33,41 @@ class Evidence:
     note: str = ""
     value: float = math.nan
     extra: dict[str, Any] = field(default_factory=dict)
+    bounds: list[str] | None = None  # per seed: "" a value, ">=" / "<=" a bound, "?" open (`judge_ratios`)
 
 
 def per_seed_ratios(base: list[float], arm: list[float]) -> list[float]:
-    """arm / base per seed (NaN where base is 0)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return [float(a / b) if b != 0 else math.nan for a, b in zip(arm, base)]
+    """arm / base per seed. Every seed is kept: a statistic of 0 on one side gives 0 or +inf (a bound with a
+    known side), 0 on both sides NaN (a tie), a diverged run (inf) +inf or 0 (`inference.judge_ratios`)."""
+    out = []
+    for a, b in zip(arm, base):
+        a, b = float(a), float(b)
+        if b == 0:
+            out.append(math.nan if a == 0 else math.copysign(math.inf, a))
+        elif math.isinf(a) and math.isinf(b):
+            out.append(math.nan)  # both diverged: a tie
+        else:
+            out.append(a / b)
+    return out
+
+
+# How a crossing flag bounds a forward time-shift speed-up (the baseline's step / the arm's): the baseline's
+# crossing found past the grid is a lower bound on its step, so the speed-up is at least that; one found by
+# extrapolating the last segment of a decelerating curve comes too early, so it is a lower bound too; a
+# crossing already at the first evaluation is an upper bound on the step.
+FORWARD_BOUND = {BEYOND: ">=", EXTRAPOLATED: ">=", BEFORE: "<=", INTERPOLATED: ""}
+
+
+def level_speedup(steps, base_curve, arm_curve, level: float, lower_is_better: bool) -> tuple[float, str]:
+    """(speed-up, bound) to reach metric `level`: the baseline's step over the arm's (both crossings on the
+    monotone fits). Each crossing outside the grid bounds its step; bounds that point opposite ways leave the
+    side open ("?")."""
+    b, bf = reach_step(steps, monotone_fit(steps, base_curve, lower_is_better), level, lower_is_better)
+    a, af = reach_step(steps, monotone_fit(steps, arm_curve, lower_is_better), level, lower_is_better)
+    ratio = b / a if a > 0 else math.inf
+    # b >= its value makes the ratio >=; a >= its value makes it <= (and the other way round for "before").
+    signs = {FORWARD_BOUND[bf], {">=": "<=", "<=": ">=", "": ""}[FORWARD_BOUND[af]]} - {""}
+    return ratio, (signs.pop() if len(signs) == 1 else "?" if signs else "")
 
 
 class ClaimKind:
@@ -74,7 +103,14 @@ class SpeedupClaim(ClaimKind):
     takes_versus = False
     reads_time_to_target = True
 
+    def validate(self, claim, arms, where):
+        super().validate(claim, arms, where)
+        if claim.target_value is not None and not isinstance(claim.target_value, int | float):
+            raise ConfigError(f"{where}: target_value must be a number (a metric level), got {claim.target_value!r}")
+
     def judge(self, claim, arm, versus, rep):
+        if claim.target_value is not None:
+            return self._judge_level(claim, arm, versus, rep)
         ts = arm["time_shift"][claim.target]
         ev = Evidence(None, more=True, value=ts["forward"],
                       extra={"mean_curve": {k: ts[k] for k in ("forward", "forward_flag", "reverse", "reverse_flag")}})
@@ -82,13 +118,33 @@ class SpeedupClaim(ClaimKind):
             ev.note = "per-seed curves were not stored with these runs: seed-mean estimate only, no interval"
         else:
             ev.ratios = ts["per_seed"]
-            censored = sum(f in (BEYOND, BEFORE) for f in ts["per_seed_flags"])
-            if censored:
-                ev.note = (f"{censored} per-seed crossings were outside the budget + one interval and enter at "
-                           "their bound")
+            ev.bounds = [FORWARD_BOUND[f] for f in ts["per_seed_flags"]]
+            beyond = sum(f == BEYOND for f in ts["per_seed_flags"])
+            extrapolated = sum(f == EXTRAPOLATED for f in ts["per_seed_flags"])
+            if beyond or extrapolated:
+                ev.note = (f"{beyond + extrapolated} of {len(ev.ratios)} per-seed crossings lie past the last "
+                           f"evaluation ({beyond} beyond it, {extrapolated} extrapolated on a flattening curve): "
+                           "they are lower bounds, not values")
+        return ev
+
+    def _judge_level(self, claim, arm, versus, rep):
+        """The steps the baseline and the arm need to reach `target_value`, per paired seed."""
+        level, lower = float(claim.target_value), rep["lower_is_better"]
+        if arm.get("curves_per_seed") is None or versus.get("curves_per_seed") is None:
+            return Evidence(None, True, note="per-seed curves were not stored with these runs")
+        steps = rep["grid"]
+        pairs = [level_speedup(steps, [float(v) for v in b], [float(v) for v in a], level, lower)
+                 for b, a in zip(versus["curves_per_seed"], arm["curves_per_seed"])]
+        ev = Evidence([r for r, _ in pairs], more=True, bounds=[b for _, b in pairs])
+        n_bound = sum(b != "" for _, b in pairs)
+        if n_bound:
+            ev.note = (f"{n_bound} of {len(pairs)} seeds crossed {level:g} outside the evaluation grid on one side: "
+                       "their speed-ups are bounds")
         return ev
 
     def label(self, c, versus):
+        if c.get("target_value") is not None:
+            return f"speed-up to reach {c['target_value']:g} (baseline's steps / arm's) vs {versus}"
         return f"time-shift speed-up at {c.get('target', 'final')} budget vs {versus}"
 
 

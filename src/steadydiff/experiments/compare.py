@@ -16,6 +16,7 @@ from typing import Any
 from ..utils.io import atomic_write_text
 from .analysis import analyse, rerender
 from .calibrate import run_calibration
+from .prereg import FILE as PREREG_FILE
 from .prereg import record
 from .report import plot_experiment, write_markdown
 from .runner import run_experiment
@@ -29,7 +30,8 @@ def compare(experiment: str | Path, out: str | Path, overrides: list[str], argv:
             show_progress: bool = True, say: Callable[[str], Any] = print) -> dict[str, Any]:
     """Run `steadydiff compare` with these arguments (`argv`: the command line after `steadydiff`, quoted in
     the report); returns the analysed report (its `claims` hold the verdicts). `say` gets progress lines."""
-    exp = load_experiment(experiment, overrides)
+    # Before training, a claim that no outcome could make hold is refused; finished runs are judged as they are.
+    exp = load_experiment(experiment, overrides, strict=not report_only)
     if calibrate:
         calibrated_metrics(exp)  # before training, not after
     out = Path(out)
@@ -41,6 +43,9 @@ def compare(experiment: str | Path, out: str | Path, overrides: list[str], argv:
         atomic_write_text(ran_by, command + "\n")
         if record(exp, out):  # before anything trains: later claim changes are marked post hoc
             say(f"recorded the design and {len(exp.claims)} claims in {out}/preregistration.json")
+        elif not (out / PREREG_FILE).exists():
+            say(f"{out} already holds runs and no preregistration.json: the claims are 'not recorded' (register "
+                "claims by running a new experiment into an empty --out)")
         run_experiment(exp, out, overrides, workers=workers, show_progress=show_progress)
     elif ran_by.is_file():
         command, report_command = ran_by.read_text().strip(), command

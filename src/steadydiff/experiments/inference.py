@@ -393,7 +393,7 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 # One claim
 
 
-BOUND_SIGNS = ("", ">=", "<=")
+BOUND_SIGNS = ("", ">=", "<=", "?")  # a value; a lower bound; an upper bound; bounds both ways (side open)
 
 
 def _side(r: float, bound: str, threshold: float) -> int:
@@ -402,6 +402,8 @@ def _side(r: float, bound: str, threshold: float) -> int:
         return 1 if r > threshold else 0
     if bound == "<=":
         return -1 if r < threshold else 0
+    if bound == "?":
+        return 0
     return int(np.sign(r - threshold))
 
 
@@ -456,7 +458,7 @@ def judge_ratios(ratios: Sequence[float], threshold: float, claim_more: bool, te
         blo, bhi = bootstrap_interval(d, n_boot, seed)
         out["bootstrap"] = {"ci_low": math.exp(blo), "ci_high": math.exp(bhi),
                             "method": f"95% seed-bootstrap percentile interval, n={n}, {n_boot} resamples"}
-    p = out["p"][test]
+    p = out["p_verdict"] = out["p"][test]
     centre = float(np.median(d)) if test != "t" else float(d.mean())  # the side the test's estimate lies on
     if p < alpha and (centre > null) == claim_more and centre != null:
         verdict = "holds"
@@ -512,7 +514,8 @@ def _judge_censored(r: np.ndarray, bounds: list[str], sides: list[int], claim_mo
     signs = {b for _, b in finite if b}
     order = sorted(finite, key=lambda vb: vb[0])
     med_v, med_b = order[(len(order) - 1) // 2] if order else (math.nan, "")
-    out: dict[str, Any] = {"verdict": verdict, "p": {"sign (conservative)": min(p_holds, p_not)},
+    p_verdict = p_holds if verdict == "holds" else p_not if verdict == "does not hold" else min(p_holds, p_not)
+    out: dict[str, Any] = {"verdict": verdict, "p": {"sign (conservative)": p_verdict}, "p_verdict": p_verdict,
                            "method": f"exact sign test on known sides, conservative for bounds, n={m}",
                            "estimate_text": (med_b + " " if med_b else "") + f"{med_v:.4g} (median seed)",
                            "sd_log": math.nan, "detectable": math.inf if claim_more else 0.0}
@@ -522,7 +525,7 @@ def _judge_censored(r: np.ndarray, bounds: list[str], sides: list[int], claim_mo
     if verdict == "inconclusive" and signs == {"<="} and not claim_more and all(
             s != 1 for s in sides) and min(v for v, b in finite if b == "<=") >= threshold:
         out["verdict_note"] = f"censored at <= {min(v for v, b in finite if b == '<='):.4g}"
-    if len(signs) == 1 and finite:
+    if signs in ({">="}, {"<="}) and finite:
         lower = signs == {">="}
         bound = one_sided_median_bound([v for v, _ in finite], lower=lower)
         if bound is not None and math.isfinite(bound[0]) and bound[0] > 0:

@@ -26,16 +26,27 @@ def _digest(obj: Any) -> str:
 
 
 def design_hash(exp: Experiment) -> str:
-    """What every claim rests on: arms and their overrides, baseline, seeds, metric, shared overrides and the
-    base config's content."""
-    return _digest({"arms": exp.arms, "baseline": exp.baseline, "seeds": exp.seeds, "metric": exp.metric,
-                    "lower_is_better": exp.lower_is_better, "set": exp.set,
-                    "base": Path(exp.base).read_text() if Path(exp.base).is_file() else str(exp.base)})
+    """What every claim rests on: arms and their overrides, baseline, seeds, metric, shared overrides, the
+    base config's content and the multiplicity rule."""
+    design = {"arms": exp.arms, "baseline": exp.baseline, "seeds": exp.seeds, "metric": exp.metric,
+              "lower_is_better": exp.lower_is_better, "set": exp.set,
+              "base": Path(exp.base).read_text() if Path(exp.base).is_file() else str(exp.base)}
+    if exp.multiplicity != "none":  # added later: absent from the designs recorded before it existed
+        design["multiplicity"] = exp.multiplicity
+    return _digest(design)
+
+
+# Claim fields added after records were first written: at their default they are left out of the hash, so a
+# claim registered before they existed still matches its record.
+_ADDED_FIELDS = {"target_value": None}
 
 
 def claim_hash(claim: Claim) -> str:
     fields = dataclasses.asdict(claim)
     fields.pop("post_hoc", None)  # the author's own marking is not part of what was registered
+    for key, default in _ADDED_FIELDS.items():
+        if fields.get(key) == default:
+            fields.pop(key, None)
     return _digest(fields)
 
 

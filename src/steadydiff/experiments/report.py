@@ -12,7 +12,7 @@ from ..diagnostics.stats import moving_average
 from ..runs.metrics_log import read_metrics, series
 from ..utils.io import atomic_write, atomic_write_text
 from .claims import CLAIM_KINDS
-from .inference import minimum_detectable_ratio
+from .inference import min_seeds, minimum_detectable_ratio
 from .runner import run_dir
 from .spec import Experiment
 from .speedup import bound_of
@@ -36,9 +36,12 @@ def _f(v: Any, digits: int = 3) -> str:
 
 
 def _interval(c: dict[str, Any]) -> str:
-    if c.get("n", 0) < 2 or not math.isfinite(_num(c.get("ci_low"))):
-        return "no interval"
-    return f"{_f(c['ci_low'])}-{_f(c['ci_high'])}"
+    lo, hi = _num(c.get("ci_low")), _num(c.get("ci_high"))
+    if math.isfinite(lo) and math.isfinite(hi):
+        return f"{_f(lo)}-{_f(hi)}"
+    if math.isfinite(lo) != math.isfinite(hi):  # a one-sided bound (censored seeds): never a two-sided interval
+        return f">= {_f(lo)}" if math.isfinite(lo) else f"<= {_f(hi)}"
+    return "no interval"
 
 
 def _pct(v: float) -> str:
@@ -56,44 +59,77 @@ def _what(c: dict[str, Any], rep: dict[str, Any]) -> str:
     return CLAIM_KINDS.choose(c["kind"]).label(c, c.get("versus", rep["baseline"]))
 
 
+def _verdict(c: dict[str, Any]) -> str:
+    """The verdict cell: bold only for a confirmatory (pre-registered) claim; an inconclusive one says what the
+    design could detect, or why it cannot decide."""
+    verdict = c["verdict"]
+    extra = []
+    if c.get("verdict_note"):
+        extra.append(c["verdict_note"])
+    if verdict == "inconclusive" and c.get("n", 0):
+        det = _num(c.get("detectable"))
+        if math.isfinite(det) and det > 0 and math.isfinite(_num(c.get("sd_log"))):
+            extra.append(f"detects a true ratio {'>=' if c.get('claim') == 'more' else '<='} {_f(det)} with 80% power")
+        elif c.get("n_bound", 0) == 0 and c.get("n", 0) < min_seeds(c.get("test", "t")):
+            extra.append(f"the {c.get('test')} test cannot reject at n={c['n']}")
+    text = verdict + (f" ({'; '.join(extra)})" if extra else "")
+    return f"**{text}**" if c.get("confirmatory", True) else f"{text} (exploratory)"
+
+
 def _claim_lines(rep: dict[str, Any]) -> list[str]:
     lines = ["", "## Verdicts", "",
-             "Each claim compares per-seed paired ratios (arm / baseline on the same seed). Estimate: geometric mean "
-             "ratio with a 95% paired t-interval on the log-ratios (method and n named in each row). A claim "
-             "**holds** when its pre-registered test rejects 'ratio = threshold' at alpha 0.05 on the claimed side, "
-             "**does not hold** when it rejects on the other side, and is **inconclusive** otherwise; an "
-             "inconclusive row gives the smallest ratio the design detects (80% power). 'k/n seeds agree' counts "
-             "the seeds on the claimed side: with 3 seeds it is all the data can say (no exact test can reject at "
-             "n = 3).", "",
-             "| claim | quantity | estimate (95% interval) | interval method | per-seed ratios | seeds agree | "
+             "Each claim compares per-seed paired ratios (arm / baseline on the same seed). The estimate and "
+             "interval are those of the claim's pre-registered test (method and n in each row): the geometric mean "
+             "with the 95% paired t-interval on log-ratios (t), the median with the order-statistic interval "
+             "(sign), the Hodges-Lehmann estimate with its interval (Wilcoxon); rank intervals carry their exact "
+             "level. A seed whose ratio is only a bound (a crossing outside the evaluation grid, a diverged run, a "
+             "zero statistic) never enters an interval: such claims are judged by the exact sign test on the seeds' "
+             "known sides, conservatively, with at most a one-sided bound. A claim **holds** when its test rejects "
+             "'ratio = threshold' at alpha 0.05 on the claimed side, **does not hold** when it rejects on the "
+             "other side, and is **inconclusive** otherwise; an inconclusive row gives the true ratio the design "
+             "detects with 80% power. Only pre-registered claims are confirmatory (bold); the others read "
+             "'(exploratory)'. 'k/n seeds agree' counts the seeds known to lie on the claimed side.", "",
+             "| claim | quantity | estimate (interval) | interval method | per-seed ratios | seeds agree | "
              "test, p | claimed | verdict here | paper's claim | registration |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for c in rep["claims"]:
         claimed = f"{'>' if c.get('claim') == 'more' else '<'} {_f(c['threshold'])}"
-        per_seed = ", ".join(_f(v) for v in c.get("per_seed", [])) or "-"
+        bounds = c.get("bounds") or [""] * len(c.get("per_seed", []))
+        per_seed = ", ".join((f"{b} " if b and b != "?" else "") + _f(v) + ("?" if b == "?" else "")
+                             for v, b in zip(c.get("per_seed", []), bounds)) or "-"
         test = c.get("test", "t")
-        p = c.get("p", {}).get(test)
-        verdict = c["verdict"]
-        if verdict == "inconclusive" and math.isfinite(_num(c.get("mdr"))):
-            verdict += f" (detects >= {_f(c['mdr'])}x)"
+        p = c.get("p_verdict", c.get("p", {}).get(test))
         est = _f(c.get("value"))
+        if not math.isfinite(_num(c.get("value"))) and c.get("estimate_text"):
+            est = c["estimate_text"]
         mc = c.get("mean_curve")
-        if mc and mc.get("forward_flag"):
+        if mc and mc.get("forward_flag") and math.isfinite(_num(c.get("value"))):
             est = f"{bound_of(mc['forward_flag'], True)}{est} ({mc['forward_flag']})"
+        how = c.get("method", "") if c.get("n_bound") or c.get("n_tie") else f"{test}"
         lines.append(f"| {c['name']} | {_what(c, rep)} | {est} ({_interval(c)}) | {c.get('interval', c.get('method'))}"
-                     f" | {per_seed} | {c.get('agree', 'n/a')} | {test} p={_f(p)} | {claimed} | **{verdict}** | "
+                     f" | {per_seed} | {c.get('agree', 'n/a')} | {how} p={_f(p)}"
+                     f"{'; Holm ' + _f(c['p_adjusted']) if 'p_adjusted' in c else ''} | {claimed} | {_verdict(c)} | "
                      f"{c.get('paper_verdict', '')} | {c.get('registration', '')} |")
-        if c.get("note"):
-            notes.append(f"- {c['name']}: {c['note']}.")
+        counts = []
+        if c.get("n_bound"):
+            counts.append(f"{c['n_bound']} of {c['n']} seeds are bounds, not values")
+        if c.get("n_tie"):
+            counts.append(f"{c['n_tie']} of {c['n']} seeds tie (0 on both sides) and are left out of the sign test")
+        if counts or c.get("note"):
+            notes.append(f"- {c['name']}: " + "; ".join(counts + ([c["note"]] if c.get("note") else [])) + ".")
         if c.get("bootstrap"):
             b = c["bootstrap"]
             notes.append(f"- {c['name']}: {b['method']}: {_f(b['ci_low'])}-{_f(b['ci_high'])}.")
-        mdr, thr = _num(c.get("mdr")), _num(c.get("threshold"))
-        if c["verdict"] == "inconclusive" and math.isfinite(mdr) and thr != 1 and abs(math.log(thr)) < math.log(mdr):
-            notes.append(f"- {c['name']}: the claimed effect ({_f(thr)}) is smaller than this design can resolve "
-                         f"(ratios beyond {_f(mdr)} or below {_f(1 / mdr)}); more seeds or a less noisy metric are "
-                         "needed to decide it.")
+    fam = rep.get("multiplicity") or {}
+    if fam:
+        k = fam.get("confirmatory", 0)
+        rule = ("Holm's correction applies (`multiplicity: holm`): a verdict stands only where its adjusted p < "
+                "0.05, which keeps that chance <= 5%." if fam.get("rule") == "holm" else
+                "No correction applies (`multiplicity: none`): read the verdicts with that chance in mind.")
+        notes.append(f"- Multiplicity: {k} confirmatory claim{'s' if k != 1 else ''} judged at alpha 0.05 each; "
+                     f"with no effect at all, the chance of at least one false 'holds' among them is about "
+                     f"{100 * fam.get('familywise_error', 0.0):.0f}% (1 - 0.95^{k}). {rule}")
     return lines + ([""] + notes if notes else [])
 
 

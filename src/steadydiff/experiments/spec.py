@@ -18,6 +18,11 @@ Claim kinds (`claims.py`: speedup, final, stability, sensitivity, each documente
 paired ratio judged by `inference.judge_ratios` (a paired t-interval on log-ratios, and the claim's
 pre-registered `test`: t | wilcoxon | sign, at alpha 0.05).
 
+A speed-up claim reads the time shift at `target` (a fraction of the budget), or, with `target_value: LEVEL`,
+the steps the baseline and the arm need to reach that metric level. A claim no outcome could make hold is
+refused at load (`claims_that_cannot_hold`). `multiplicity: holm` applies Holm's correction to the confirmatory
+(pre-registered) claims; every report states the family-wise chance of a false "holds".
+
 `versus: ARM` compares final / stability / sensitivity with another arm instead of the baseline, and
 `direction: more` claims a ratio above the threshold (e.g. "sensitivity grows with depth"). `post_hoc: true`
 marks a claim chosen after seeing data; the tool also marks, by itself, every claim added or changed after
@@ -52,7 +57,8 @@ class Claim:
     arm: str
     kind: str
     threshold: float = 1.0
-    target: str = "final"  # speedup
+    target: str = "final"  # speedup: the arm's value at this fraction of the budget
+    target_value: float | None = None  # speedup: instead, the steps both arms need to reach this metric level
     series: str = "grad/total"  # stability
     stat: str = "median_abs_log_delta"  # stability
     versus: str | None = None  # final / stability / sensitivity: compare with this arm instead of the baseline
@@ -82,6 +88,8 @@ class Experiment:
     source: Path | None = None
     paper: dict[str, Any] = field(default_factory=dict)  # the paper's regime, shown beside ours
     calibrate: dict[str, Any] = field(default_factory=dict)  # how `compare --calibrate` measures metric noise
+    multiplicity: str = "none"  # holm: Holm's correction over the confirmatory claims (write it in new files)
+    unreachable: dict[str, str] = field(default_factory=dict)  # claims no outcome could make hold (set at load)
 
     def overrides(self, arm: str, seed: int, extra: list[str] | None = None) -> list[str]:
         """`--set` strings for one run: experiment-wide, then the arm's, then the seed, then the command line."""
@@ -95,7 +103,8 @@ class Experiment:
 
 
 _KEYS = {"name", "base", "set", "baseline", "arms", "seeds", "metric", "stability", "stability_warmup",
-         "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate"}
+         "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate", "multiplicity"}
+MULTIPLICITY = ("none", "holm")
 _CALIBRATE_KEYS = {"repeats", "n", "reference_n", "arms", "seeds", "metrics", "sizes"}
 
 
@@ -118,9 +127,10 @@ def _mapping(value: Any, key: str) -> dict[str, Any]:
     return value
 
 
-def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experiment:
+def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bool = True) -> Experiment:
     """Read and validate an experiment file; every arm's config is built once here so errors show up
-    before any training starts."""
+    before any training starts. `strict=False` (re-judging finished runs) keeps claims that no outcome could
+    make hold, listed in `exp.unreachable`, instead of refusing the file."""
     path = Path(path)
     raw = read_yaml(path, "experiment file", "experiments/scalelong-unet.yaml")
     if not isinstance(raw, dict):
@@ -188,6 +198,9 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
     workers = raw.get("workers", 1)
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError("experiment workers: expected an integer >= 1")
+    multiplicity = str(raw.get("multiplicity", "none"))
+    if multiplicity not in MULTIPLICITY:
+        raise ConfigError(f"experiment multiplicity: {multiplicity!r}; choose one of {', '.join(MULTIPLICITY)}")
     exp = Experiment(
         name=str(raw["name"]), base=base, arms=arms, baseline=str(raw["baseline"]), seeds=seeds,
         metric=str(metric["key"]), lower_is_better=bool(metric.get("lower_is_better", True)),
@@ -195,6 +208,7 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
         stability_warmup=raw.get("stability_warmup"), sensitivity=bool(raw.get("sensitivity", False)),
         workers=workers, bootstrap=int(raw.get("bootstrap", 2000)), claims=claims,
         description=str(raw.get("description", "")), source=path, paper=paper, calibrate=calibrate,
+        multiplicity=multiplicity,
     )
     if "metrics" in calibrate:
         calibrated_metrics(exp)
@@ -203,4 +217,50 @@ def load_experiment(path: str | Path, extra: list[str] | None = None) -> Experim
             exp.run_config(arm, seeds[0], extra)
         except ConfigError as e:
             raise ConfigError(f"experiment arm {arm!r}: {e}") from e
+    exp.unreachable = claims_that_cannot_hold(exp, extra)
+    if strict and exp.unreachable:
+        raise ConfigError(next(iter(exp.unreachable.values())))
     return exp
+
+
+def metric_interval(cfg, metric: str) -> int:
+    """Steps between two logged values of `metric` in a run of `cfg` (its evaluation grid's spacing)."""
+    if metric.startswith("eval/"):
+        return cfg.train.eval_every
+    if metric.startswith("val/"):
+        return cfg.diagnostics.val_every
+    if metric.startswith("probe/"):
+        return cfg.diagnostics.probe_every
+    return cfg.train.log_every
+
+
+def speedup_cap(steps: int, interval: int, fraction: float) -> float:
+    """The largest time-shift speed-up the grid can report at `fraction` of the budget S as a value: the
+    baseline's crossing can be found at most one evaluation interval past its last evaluation, so
+    (S + interval) / (fraction S); anything larger is only ever a bound."""
+    return (steps + interval) / (fraction * steps)
+
+
+def claims_that_cannot_hold(exp: Experiment, extra: list[str] | None = None) -> dict[str, str]:
+    """{claim name: why} for claims that no outcome could make hold: a speed-up threshold at or above what
+    the evaluation grid can report at its target, and a sign or Wilcoxon test with fewer seeds than it needs
+    to reject at alpha 0.05. `load_experiment` refuses such a file before anything trains."""
+    from .inference import min_seeds
+
+    cfg = exp.run_config(exp.baseline, exp.seeds[0], extra)
+    out = {}
+    for i, c in enumerate(exp.claims):
+        where = f"experiment claims[{i}] ({c.name!r})"
+        need = min_seeds(c.test)
+        if len(exp.seeds) < need:
+            out[c.name] = (f"{where}: the {c.test} test cannot reject at alpha 0.05 with {len(exp.seeds)} seeds "
+                           f"(it needs {need}); add seeds or pre-register test: t")
+        elif c.kind == "speedup" and c.target_value is None:
+            interval = metric_interval(cfg, exp.metric) or cfg.train.steps
+            cap = speedup_cap(cfg.train.steps, interval, TARGETS[c.target])
+            if c.threshold >= cap:
+                out[c.name] = (f"{where}: a speed-up above {c.threshold:g} at target {c.target} can never be shown: "
+                               f"with {cfg.train.steps} steps evaluated every {interval} the grid reports at most "
+                               f"{cap:.3g} there (larger values are bounds); use an earlier target, more budget, or "
+                               "target_value: a metric level both arms reach")
+    return out
