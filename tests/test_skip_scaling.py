@@ -183,3 +183,22 @@ def test_cs_on_a_uvit_is_org_with_a_per_path_adamw_group():
     assert same["max_rel_param_diff"] < 1e-10 and same["max_rel_probe_loss_diff"] < 1e-10
     control = study.twin_runs(**kw, fold_lr=False)
     assert control["max_rel_param_diff"] > 1e-3
+
+
+def test_zero_scaling_removes_every_long_skip_and_nothing_else():
+    """The no-long-skip control: every skip reaches its fusion layer as zeros, so the output does not depend on
+    what the encoder sends through the skips, while the same parameters and main path remain."""
+    torch.manual_seed(2)
+    cfg = ModelConfig(backbone="uvit", skip_scaling="zero", embed_dim=32, depth=6, num_heads=2, patch_size=4)
+    model = build_model(cfg, (1, 8, 8))
+    org = build_model(ModelConfig(**{**cfg.__dict__, "skip_scaling": "org"}), (1, 8, 8))
+    assert model.skip_scaling.coefficients() == [0.0] * model.num_skips
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in org.parameters())
+    seen = _record_skip_inputs(model)
+    x, t = torch.randn(2, 1, 8, 8), torch.tensor([10.0, 800.0])
+    model(x, t)
+    assert all(raw.abs().sum() > 0 and torch.equal(scaled, torch.zeros_like(raw)) for raw, scaled in seen.values())
+    # Org with every skip replaced by zeros by hand is the same network.
+    org.load_state_dict(model.state_dict())
+    org.skip_scaling.forward = lambda i, s: torch.zeros_like(s)
+    torch.testing.assert_close(model(x, t), org(x, t), rtol=0, atol=0)

@@ -70,7 +70,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     backbone: str = registered("unet")  # nn.BACKBONES
-    skip_scaling: Literal["org", "inv_sqrt2", "cs", "ls", "ls_ns"] = "org"
+    skip_scaling: Literal["org", "inv_sqrt2", "cs", "ls", "ls_ns", "zero"] = "org"  # zero: no long skips
     kappa: float = 0.5  # CS: LSC i (1 = outermost) is scaled by kappa**(i-1)
     ls_reduction: int = 16  # LS gate bottleneck ratio r
     channels: int = 64  # unet, edm2: base channel count (EDM2's model_channels)

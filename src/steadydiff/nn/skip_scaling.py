@@ -16,6 +16,9 @@ Methods (README names of the official `--config.nnet.scalelong` values 0..4):
   cs         kappa_i = kappa^(i-1)               (2, "CS"); bounds sum_i kappa_i^2 <= 1/(1-kappa^2)
   ls         kappa_i = zeta(skip_i), one gate    (3, "LS")
   ls_ns      kappa_i = zeta_i(skip_i), per skip  (4, "LS non-share")
+  zero       kappa_i = 0                         (not in the paper: the control with no long skips at all; the
+                                                  fusion layers stay and receive zeros, so the parameter count
+                                                  and the main path are Org's)
 
 Which backbones the coefficient reaches (reports/skip-effect, `diagnostics.skip_effect`): a coefficient only
 matters if the block that fuses the skip does not divide it out again.
@@ -198,6 +201,8 @@ def make_skip_scaling(
         return ConstantScaling([2**-0.5] * n)  # as the official code writes it
     if method == "cs":
         return ConstantScaling(cs_coefficients(n, kappa))
+    if method == "zero":
+        return ConstantScaling([0.0] * n)
     if method == "ls":
         gates = {f"c{c}": gate(c, reduction) for c in dict.fromkeys(channels)}
         return LearnedScaling([f"c{c}" for c in channels], gates)
@@ -207,4 +212,4 @@ def make_skip_scaling(
     raise ValueError(f"unknown skip scaling {method!r}; choose one of {', '.join(SKIP_SCALING_METHODS)}")
 
 
-SKIP_SCALING_METHODS = ("org", "inv_sqrt2", "cs", "ls", "ls_ns")
+SKIP_SCALING_METHODS = ("org", "inv_sqrt2", "cs", "ls", "ls_ns", "zero")
