@@ -27,12 +27,15 @@ def _digest(obj: Any) -> str:
 
 def design_hash(exp: Experiment) -> str:
     """What every claim rests on: arms and their overrides, baseline, seeds, metric, shared overrides, the
-    base config's content and the multiplicity rule."""
+    base config's content, the multiplicity rule and, in an lr-range experiment, its LR grid and instability
+    rule."""
     design = {"arms": exp.arms, "baseline": exp.baseline, "seeds": exp.seeds, "metric": exp.metric,
               "lower_is_better": exp.lower_is_better, "set": exp.set,
               "base": Path(exp.base).read_text() if Path(exp.base).is_file() else str(exp.base)}
     if exp.multiplicity != "none":  # added later: absent from the designs recorded before it existed
         design["multiplicity"] = exp.multiplicity
+    if exp.lr_range is not None:  # an lr-range experiment: its grid and instability rule are pre-registered too
+        design["lr_range"] = exp.lr_range.design()
     return _digest(design)
 
 
