@@ -61,17 +61,30 @@ def grid_jobs(exp: Experiment, out: Path) -> list[Job]:
             for arm in exp.arms for lr in exp.lr_range.lrs for s in exp.seeds]
 
 
-def init_loss(exp: Experiment, out: Path, arm: str, seed: int, extra: list[str]) -> float:
-    """L0: the validation loss of the untrained network of (arm, seed), the very weights every run of that seed
-    starts from (the Trainer's order: dataset, seed, formulation, model), on the runs' stored validation set;
-    cached in OUT/runs/<arm>/init-seed-<s>.json. nan when no run of that seed stored its set."""
+def untrained_model(cfg):
+    """(dataset, formulation, model): the network a run of `cfg` starts from, built in the Trainer's order
+    (dataset, then seed, formulation, model; `train/loop.py`), so its weights are that run's initial weights.
+    The global RNG is left as it was."""
     import torch
 
     from ..data import load_dataset
-    from ..diagnostics.base import RunContext
-    from ..diagnostics.validation import ValidationSet, validation_losses
     from ..diffusion import build_formulation
     from ..nn import build_model
+
+    dataset = load_dataset(cfg.data)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        formulation = build_formulation(cfg.diffusion)
+        model = formulation.wrap(build_model(cfg.model, dataset.sample_shape))
+    return dataset, formulation, model
+
+
+def init_loss(exp: Experiment, out: Path, arm: str, seed: int, extra: list[str]) -> float:
+    """L0: the validation loss of the untrained network of (arm, seed) (`untrained_model`: the weights every run
+    of that seed starts from) on the runs' stored validation set; cached in OUT/runs/<arm>/init-seed-<s>.json.
+    nan when no run of that seed stored its set."""
+    from ..diagnostics.base import RunContext
+    from ..diagnostics.validation import ValidationSet, validation_losses
     from ..utils.device import pick_device
 
     cache = Path(out) / "runs" / arm / f"init-seed-{seed}.json"
@@ -82,12 +95,9 @@ def init_loss(exp: Experiment, out: Path, arm: str, seed: int, extra: list[str])
     if not stored:
         return math.nan
     cfg = exp.run_config(arm, seed, [*extra, lr_override(exp.lr_range.lrs[0])])
-    dataset = load_dataset(cfg.data)
+    dataset, formulation, model = untrained_model(cfg)
     device = pick_device(cfg.train.device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.train.seed)
-        formulation = build_formulation(cfg.diffusion)
-        model = formulation.wrap(build_model(cfg.model, dataset.sample_shape)).to(device)
+    model = model.to(device)
     d = cfg.diagnostics
     val = ValidationSet.load_or_create(stored[0], RunContext(cfg, dataset, formulation, model, model, device),
                                        d.val_size, d.val_bins, d.val_seed).to(device)

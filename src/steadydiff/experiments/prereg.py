@@ -1,8 +1,8 @@
-"""Pre-registration, enforced by the tool: the first `compare` run of an experiment records a hash of its
-design (arms, seeds, metric, shared overrides, base config) and of every claim in OUT/preregistration.json,
-before anything trains. Later reports compare the experiment file with that record: a claim added or changed
-afterwards, or any claim after the design changed, is marked "post hoc" in the report, by the tool. A record is
-only written into an OUT that holds no run yet."""
+"""Pre-registration, enforced by the tool: the first `compare` or `lr-range` run of an experiment records a hash
+of its design (arms, seeds, metric, shared overrides, base config; an LR grid and its instability rule) and of
+every claim in OUT/preregistration.json, before anything trains. Later reports compare the experiment file with
+that record: a claim added or changed afterwards, or any claim after the design changed, is marked "post hoc" in
+the report, by the tool. A record is only written into an OUT that holds no run yet."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def claim_status(exp: Experiment, out: Path) -> dict[str, str]:
         if c.name in declared:
             status[c.name] = declared[c.name]
         elif design_changed:
-            status[c.name] = "post hoc (arms, seeds, metric or base config changed after the first run)"
+            what = "metric, base config, LR grid or rule" if exp.lr_range is not None else "metric or base config"
+            status[c.name] = f"post hoc (arms, seeds, {what} changed after the first run)"
         elif c.name not in rec["claims"]:
             status[c.name] = f"post hoc (added after the first run on {rec['date']})"
         elif rec["claims"][c.name] != claim_hash(c):
