@@ -182,6 +182,7 @@ def _lr(**block):
     ({"set": {**_spec()["set"], "diagnostics.val_every": 0}}, [], "diagnostics.val_every to a divisor"),
     ({"set": {**_spec()["set"], "diagnostics.val_every": 7}}, [], "diagnostics.val_every to a divisor"),
     ({"claims": [{"name": "x", "arm": "broken", "kind": "stability"}]}, [], "judged by `steadydiff compare`"),
+    ({"sensitivity": True}, [], "experiment sensitivity: `steadydiff lr-range` does not measure it"),
 ])
 def test_bad_lr_range_files_are_one_line_errors_and_write_nothing(tmp_path, capsys, change, args, needle):
     out = tmp_path / "out"

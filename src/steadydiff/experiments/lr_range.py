@@ -200,10 +200,12 @@ def write_json(rep: dict[str, Any], out: Path) -> None:
     atomic_write_text(Path(out) / "lr_range.json", json.dumps(_json_safe(rep), indent=1) + "\n")
 
 
-def _bound_text(value: Any, bound: str, lowest: float) -> str:
+def _bound_text(value: Any, bound: str, lowest: float, why: bool = True) -> str:
+    """A max stable LR as text: its value, or its bound, and (`why`) what censored it."""
     if value is None:
-        return f"<= {lowest:g} (unstable at the smallest LR)"
-    return f"{bound + ' ' if bound else ''}{float(value):g}" + (" (censored: the grid's top)" if bound == ">=" else "")
+        return f"<= {lowest:g}" + (" (unstable at the smallest LR)" if why else "")
+    text = f"{bound + ' ' if bound else ''}{float(value):g}"
+    return text + (" (censored: the grid's top)" if why and bound == ">=" else "")
 
 
 def write_markdown(rep: dict[str, Any], out: Path) -> str:
@@ -312,8 +314,8 @@ def plot_lr_range(rep: dict[str, Any], out: Path) -> None:
 def summary_lines(rep: dict[str, Any]) -> list[str]:
     """One line per arm for the terminal: max stable LR and best LR per seed."""
     lowest = rep["lrs"][0]
-    return [f"{name}: max stable LR " + ", ".join(_bound_text(x["max_stable_lr"], x["max_stable_lr_bound"], lowest)
-                                                   .split(" (")[0] for x in a["seeds"].values())
+    return [f"{name}: max stable LR " + ", ".join(_bound_text(x["max_stable_lr"], x["max_stable_lr_bound"], lowest,
+                                                               why=False) for x in a["seeds"].values())
             + "; best LR " + ", ".join(_f(x["best_lr"]) for x in a["seeds"].values())
             for name, a in rep["arms"].items()]
 

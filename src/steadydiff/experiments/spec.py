@@ -251,6 +251,10 @@ def _check_lr_range(exp: Experiment, extra: list[str] | None) -> None:
         if LR_KEY in keys:
             raise ConfigError(f"experiment {where}: sets {LR_KEY}, which the lr_range grid sets in every run; remove "
                               "it (put the learning rates in lr_range.lrs)")
+    unused = [k for k, v in (("sensitivity", exp.sensitivity), ("calibrate", exp.calibrate)) if v]
+    if unused:
+        raise ConfigError(f"experiment {unused[0]}: `steadydiff lr-range` does not measure it; remove it from the "
+                          "lr_range experiment (it belongs to `steadydiff compare`)")
     if exp.metric not in VALIDATION_METRICS:
         raise ConfigError(f"experiment metric: {exp.metric!r}; the lr-range rule reads the final validation loss, so "
                           f"set metric: {{key: val/loss}} (or {VALIDATION_METRICS[1]})")
