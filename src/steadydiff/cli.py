@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema | compare | dataset.
+"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema | compare | lr-range | dataset.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss: a `SteadydiffError`, or an
 `OSError`) ends with one line `steadydiff: error: ...` that names the fix, and a non-zero exit status; anything
@@ -264,6 +264,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lr_range(args: argparse.Namespace) -> int:
+    from .experiments.lr_range import FILES, lr_range, summary_lines
+
+    rep = lr_range(args.experiment, args.out, args.set, args.argv if args.argv is not None else sys.argv[1:],
+                   workers=args.workers, report_only=args.report_only, show_progress=not args.quiet)
+    for line in summary_lines(rep):
+        print(line)
+    for c in rep["claims"]:
+        print(f"{c['verdict']:>14}: {c['name']} ({c['registration']})")
+    print(f"wrote {', '.join(str(Path(args.out) / f) for f in FILES)}")
+    return 0
+
+
 def os_error_text(e: OSError) -> str:
     """`reason (file); fix` for a failed file operation, e.g. a full disk."""
     reason = e.strerror or str(e) or type(e).__name__
@@ -307,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser; its choices and help texts are read from the registries (a new entry shows up here)."""
     load_registries()
     from .diffusion import sampler_help, sampler_names
+    from .experiments.claims import CLAIM_KINDS
     from .metrics import METRICS
 
     p = _Parser(prog="steadydiff", description=__doc__.splitlines()[0])
@@ -420,6 +434,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="measure the metric's noise on the finished runs first (the experiment's calibrate: block)")
     cm.add_argument("--quiet", action="store_true")
     cm.set_defaults(func=_cmd_compare)
+
+    lr_kinds = ", ".join(k for k, kind in CLAIM_KINDS.items() if kind.lr_range)
+    lr = sub.add_parser("lr-range", help="train every arm x LR x seed of an experiment's lr_range: grid; max stable "
+                        f"and best LR per seed, LR sensitivity, and its claims ({lr_kinds})")
+    lr.add_argument("experiment", help="experiment YAML with an lr_range: {lrs: [...], rule: {...}} block")
+    lr.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
+    lr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key in every run (not train.lr: the grid sets it)")
+    lr.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's)")
+    lr.add_argument("--report-only", action="store_true", help="only judge the finished runs again; train nothing")
+    lr.add_argument("--quiet", action="store_true")
+    lr.set_defaults(func=_cmd_lr_range)
     return p
 
 

@@ -1,5 +1,5 @@
 """Experiments: arms x seeds, paired statistics honest at small n, verdicts, pre-registration, calibration
-and reports (`steadydiff compare`)."""
+and reports (`steadydiff compare`), and LR ranges over a grid of learning rates (`steadydiff lr-range`)."""
 
 from .analysis import ExperimentError, analyse, judge_claims, rerender
 from .calibrate import run_calibration

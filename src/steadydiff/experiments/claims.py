@@ -6,7 +6,9 @@ Every kind reduces a claim to per-seed paired ratios, arm / versus arm on the sa
     judge      the per-seed ratios from an analysed report (`analysis.analyse`, or a stored results.json),
                and on which side of the threshold the claim lies
     label      the quantity, as report.md's verdict table names it
-A new kind is a class here and one line in CLAIM_KINDS.
+A new kind is a class here and one line in CLAIM_KINDS. A kind reads either a `compare` report or, with
+`lr_range = True`, an `lr-range` one (`lr_range.py`); an experiment file may claim only the kinds its command
+judges (`spec.load_experiment`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class ClaimKind:
     takes_versus = True
     takes_keys = False
     reads_time_to_target = False  # its verdict reads steps-to-target, so budget-tied schedule horizons matter
+    lr_range = False  # it reads an lr-range report (`steadydiff lr-range`), not a compare one
 
     def validate(self, claim, arms: dict[str, Any], where: str) -> None:
         if claim.versus is not None and (claim.versus not in arms or not self.takes_versus):
@@ -202,8 +205,61 @@ class SensitivityClaim(ClaimKind):
         return f"mean R(t), ratio vs {versus}"
 
 
+# How a censored max stable LR bounds a ratio: the arm's bound keeps its sign, the reference's flips.
+_FLIP = {">=": "<=", "<=": ">=", "": ""}
+
+
+class MaxStableLRClaim(ClaimKind):
+    """lr-range: arm / versus ratio of the max stable LR on each seed (`lr_rule.py`); holds if above
+    `threshold` (the arm tolerates larger learning rates). A max stable LR at the grid's top is only a lower
+    bound, one below the grid's bottom an upper bound (the smallest LR): the ratio of such a seed is a bound,
+    or open when the two bounds point opposite ways, and is judged as one (`inference.judge_ratios`)."""
+
+    lr_range = True
+
+    def judge(self, claim, arm, versus, rep):
+        lowest = float(rep["lrs"][0])
+        ratios, bounds = [], []
+        for va, ba, vb, bb in zip(arm["max_stable_lr_per_seed"], arm["max_stable_lr_bounds"],
+                                  versus["max_stable_lr_per_seed"], versus["max_stable_lr_bounds"]):
+            a, b = (lowest if v is None else float(v) for v in (va, vb))
+            ratios.append(a / b)
+            signs = {ba, _FLIP[bb]} - {""}
+            bounds.append(signs.pop() if len(signs) == 1 else "?" if signs else "")
+        ev = Evidence(ratios, more=True, bounds=bounds)
+        top = sum(b == ">=" for x in (arm, versus) for b in x["max_stable_lr_bounds"])
+        bottom = sum(b == "<=" for x in (arm, versus) for b in x["max_stable_lr_bounds"])
+        parts = []
+        if top:
+            parts.append(f"{top} max stable LRs are at the grid's top ({rep['lrs'][-1]:g}): censored, lower bounds")
+        if bottom:
+            parts.append(f"{bottom} are below the grid's bottom (unstable at {lowest:g}): upper bounds")
+        ev.note = "; ".join(parts)
+        return ev
+
+    def label(self, c, versus):
+        return f"max stable LR, ratio vs {versus}"
+
+
+class BestFinalClaim(ClaimKind):
+    """lr-range: arm / versus ratio of the best final validation loss on each seed, each arm at its own best
+    (stable) LR; holds if on the better side of `threshold`. An arm with no stable run on a seed counts as its
+    worst outcome (inf), a bound."""
+
+    lr_range = True
+
+    def judge(self, claim, arm, versus, rep):
+        return Evidence(per_seed_ratios(versus["best_final_per_seed"], arm["best_final_per_seed"]),
+                        more=not rep["lower_is_better"])
+
+    def label(self, c, versus):
+        return f"best final validation loss (each arm at its own best LR), ratio vs {versus}"
+
+
 CLAIM_KINDS: Registry[ClaimKind] = Registry("claim kind")
 CLAIM_KINDS.add("speedup", SpeedupClaim())
 CLAIM_KINDS.add("final", FinalClaim())
 CLAIM_KINDS.add("stability", StabilityClaim())
 CLAIM_KINDS.add("sensitivity", SensitivityClaim())
+CLAIM_KINDS.add("max_stable_lr", MaxStableLRClaim())
+CLAIM_KINDS.add("best_final", BestFinalClaim())

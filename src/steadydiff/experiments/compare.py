@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..utils.errors import ConfigError
 from ..utils.io import atomic_write_text
 from .analysis import analyse, rerender
 from .calibrate import run_calibration
@@ -32,6 +33,9 @@ def compare(experiment: str | Path, out: str | Path, overrides: list[str], argv:
     the report); returns the analysed report (its `claims` hold the verdicts). `say` gets progress lines."""
     # Before training, a claim that no outcome could make hold is refused; finished runs are judged as they are.
     exp = load_experiment(experiment, overrides, strict=not report_only)
+    if exp.lr_range is not None:
+        raise ConfigError(f"experiment {experiment} has an lr_range: block; run it with `steadydiff lr-range` (or "
+                          "drop the block to compare the arms at the base config's train.lr)")
     if calibrate:
         calibrated_metrics(exp)  # before training, not after
     out = Path(out)

@@ -1,8 +1,8 @@
-"""Pre-registration, enforced by the tool: the first `compare` run of an experiment records a hash of its
-design (arms, seeds, metric, shared overrides, base config) and of every claim in OUT/preregistration.json,
-before anything trains. Later reports compare the experiment file with that record: a claim added or changed
-afterwards, or any claim after the design changed, is marked "post hoc" in the report, by the tool. A record is
-only written into an OUT that holds no run yet."""
+"""Pre-registration, enforced by the tool: the first `compare` or `lr-range` run of an experiment records a hash
+of its design (arms, seeds, metric, shared overrides, base config; an LR grid and its instability rule) and of
+every claim in OUT/preregistration.json, before anything trains. Later reports compare the experiment file with
+that record: a claim added or changed afterwards, or any claim after the design changed, is marked "post hoc" in
+the report, by the tool. A record is only written into an OUT that holds no run yet."""
 
 from __future__ import annotations
 
@@ -27,12 +27,15 @@ def _digest(obj: Any) -> str:
 
 def design_hash(exp: Experiment) -> str:
     """What every claim rests on: arms and their overrides, baseline, seeds, metric, shared overrides, the
-    base config's content and the multiplicity rule."""
+    base config's content, the multiplicity rule and, in an lr-range experiment, its LR grid and instability
+    rule."""
     design = {"arms": exp.arms, "baseline": exp.baseline, "seeds": exp.seeds, "metric": exp.metric,
               "lower_is_better": exp.lower_is_better, "set": exp.set,
               "base": Path(exp.base).read_text() if Path(exp.base).is_file() else str(exp.base)}
     if exp.multiplicity != "none":  # added later: absent from the designs recorded before it existed
         design["multiplicity"] = exp.multiplicity
+    if exp.lr_range is not None:  # an lr-range experiment: its grid and instability rule are pre-registered too
+        design["lr_range"] = exp.lr_range.design()
     return _digest(design)
 
 
@@ -84,7 +87,8 @@ def claim_status(exp: Experiment, out: Path) -> dict[str, str]:
         if c.name in declared:
             status[c.name] = declared[c.name]
         elif design_changed:
-            status[c.name] = "post hoc (arms, seeds, metric or base config changed after the first run)"
+            what = "metric, base config, LR grid or rule" if exp.lr_range is not None else "metric or base config"
+            status[c.name] = f"post hoc (arms, seeds, {what} changed after the first run)"
         elif c.name not in rec["claims"]:
             status[c.name] = f"post hoc (added after the first run on {rec['date']})"
         elif rec["claims"][c.name] != claim_hash(c):

@@ -30,7 +30,10 @@ the experiment's first run (`prereg.py`).
 
 Optional blocks: `paper:` states the paper's regime beside ours (keys of `regime.REGIME_ROWS`, plus `source`,
 `in_regime: false` when the runs are outside it, and `note`); `calibrate:` sets how `compare --calibrate`
-measures metric noise (`repeats`, `n`, `reference_n`, `arms`, `seeds`, `metrics`, `sizes`).
+measures metric noise (`repeats`, `n`, `reference_n`, `arms`, `seeds`, `metrics`, `sizes`); `lr_range:` makes
+the file an LR-range experiment, run by `steadydiff lr-range` (every arm x LR x seed, a pre-registered
+instability rule, claims of kind max_stable_lr and best_final; `lr_rule.py`), whose runs set train.lr only
+through the grid and read the final val/loss or val/ema_loss (diagnostics.val_every dividing train.steps).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..config import ConfigError, apply_overrides, config_from_dict, read_yaml
 from ..metrics import METRICS
 from .claims import CLAIM_KINDS
 from .inference import TESTS
+from .lr_rule import LRRange, parse_lr_range
 
 STATS = ("n", "mean", "detrended_std", "cv", "median_abs_log_delta", "spike_ratio", "mean_abs_delta", "spikes",
          "spike_frac_5x", "spike_frac_3x", "max_to_median", "log_residual_std", "detrended_cv", "growth")
@@ -90,6 +94,7 @@ class Experiment:
     calibrate: dict[str, Any] = field(default_factory=dict)  # how `compare --calibrate` measures metric noise
     multiplicity: str = "none"  # holm: Holm's correction over the confirmatory claims (write it in new files)
     unreachable: dict[str, str] = field(default_factory=dict)  # claims no outcome could make hold (set at load)
+    lr_range: LRRange | None = None  # an LR-range experiment's grid and instability rule (`steadydiff lr-range`)
 
     def overrides(self, arm: str, seed: int, extra: list[str] | None = None) -> list[str]:
         """`--set` strings for one run: experiment-wide, then the arm's, then the seed, then the command line."""
@@ -103,7 +108,8 @@ class Experiment:
 
 
 _KEYS = {"name", "base", "set", "baseline", "arms", "seeds", "metric", "stability", "stability_warmup",
-         "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate", "multiplicity"}
+         "sensitivity", "workers", "bootstrap", "claims", "description", "paper", "calibrate", "multiplicity",
+         "lr_range"}
 MULTIPLICITY = ("none", "holm")
 _CALIBRATE_KEYS = {"repeats", "n", "reference_n", "arms", "seeds", "metrics", "sizes"}
 
@@ -162,6 +168,7 @@ def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bo
         metric = {"key": metric}
     if not isinstance(metric, dict) or "key" not in metric or set(metric) - {"key", "lower_is_better"}:
         raise ConfigError("experiment metric: expected {key: eval/fd_fmnist, lower_is_better: true}")
+    lr_range = parse_lr_range(raw["lr_range"]) if "lr_range" in raw else None
     claims = []
     for i, c in enumerate(raw.get("claims") or []):
         if not isinstance(c, dict):
@@ -177,7 +184,14 @@ def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bo
         if claim.arm not in arms:
             raise ConfigError(f"experiment claims[{i}]: arm {claim.arm!r} is not an arm; "
                               f"choose one of {', '.join(arms)}")
-        CLAIM_KINDS.choose(claim.kind, f"experiment claims[{i}]").validate(claim, arms, f"experiment claims[{i}]")
+        kind = CLAIM_KINDS.choose(claim.kind, f"experiment claims[{i}]")
+        kind.validate(claim, arms, f"experiment claims[{i}]")
+        if kind.lr_range != (lr_range is not None):
+            lr_kinds = ", ".join(k for k, v in CLAIM_KINDS.items() if v.lr_range)
+            raise ConfigError(f"experiment claims[{i}]: kind {claim.kind} reads an lr-range grid; add an lr_range: "
+                              "block and run `steadydiff lr-range`" if kind.lr_range else
+                              f"experiment claims[{i}]: kind {claim.kind} is judged by `steadydiff compare`; an "
+                              f"lr_range experiment claims {lr_kinds}")
         if claim.direction not in ("less", "more"):
             raise ConfigError(f"experiment claims[{i}]: direction {claim.direction!r}; choose less or more")
         if claim.target not in TARGETS:
@@ -208,7 +222,7 @@ def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bo
         stability_warmup=raw.get("stability_warmup"), sensitivity=bool(raw.get("sensitivity", False)),
         workers=workers, bootstrap=int(raw.get("bootstrap", 2000)), claims=claims,
         description=str(raw.get("description", "")), source=path, paper=paper, calibrate=calibrate,
-        multiplicity=multiplicity,
+        multiplicity=multiplicity, lr_range=lr_range,
     )
     if "metrics" in calibrate:
         calibrated_metrics(exp)
@@ -217,10 +231,39 @@ def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bo
             exp.run_config(arm, seeds[0], extra)
         except ConfigError as e:
             raise ConfigError(f"experiment arm {arm!r}: {e}") from e
+    if lr_range is not None:
+        _check_lr_range(exp, extra)
     exp.unreachable = claims_that_cannot_hold(exp, extra)
     if strict and exp.unreachable:
         raise ConfigError(next(iter(exp.unreachable.values())))
     return exp
+
+
+LR_KEY = "train.lr"
+VALIDATION_METRICS = ("val/loss", "val/ema_loss")
+
+
+def _check_lr_range(exp: Experiment, extra: list[str] | None) -> None:
+    """What an LR-range experiment needs: the grid alone sets train.lr, the rule reads the final validation
+    loss (the metric is val/loss or val/ema_loss, logged at the last step)."""
+    for where, keys in (("set", exp.set), *((f"arms.{a}", o) for a, o in exp.arms.items()),
+                        ("--set", [e.partition("=")[0].strip() for e in extra or []])):
+        if LR_KEY in keys:
+            raise ConfigError(f"experiment {where}: sets {LR_KEY}, which the lr_range grid sets in every run; remove "
+                              "it (put the learning rates in lr_range.lrs)")
+    unused = [k for k, v in (("sensitivity", exp.sensitivity), ("calibrate", exp.calibrate)) if v]
+    if unused:
+        raise ConfigError(f"experiment {unused[0]}: `steadydiff lr-range` does not measure it; remove it from the "
+                          "lr_range experiment (it belongs to `steadydiff compare`)")
+    if exp.metric not in VALIDATION_METRICS:
+        raise ConfigError(f"experiment metric: {exp.metric!r}; the lr-range rule reads the final validation loss, so "
+                          f"set metric: {{key: val/loss}} (or {VALIDATION_METRICS[1]})")
+    for arm in exp.arms:
+        cfg = exp.run_config(arm, exp.seeds[0], extra)
+        every, steps = cfg.diagnostics.val_every, cfg.train.steps
+        if every <= 0 or steps % every:
+            raise ConfigError(f"experiment arm {arm!r}: the lr-range rule reads the validation loss at the last step; "
+                              f"set diagnostics.val_every to a divisor of train.steps ({steps}), got {every}")
 
 
 def metric_interval(cfg, metric: str) -> int:

@@ -1,0 +1,232 @@
+"""The `lr_range:` block of an experiment file and its pre-registered instability rule (`steadydiff lr-range`).
+
+    lr_range:
+      lrs: [1.0e-4, 3.0e-4, 1.0e-3, 3.0e-3]   # the grid: positive, strictly increasing
+      rule: {factor: 1.5, k: 3, window: 50}   # the instability rule (these are its defaults)
+      mode: grid
+
+The grid trains every (arm, LR, seed) as an ordinary run; the rule and the grid are part of the design that
+`prereg.py` records before anything trains, like the claims. For one arm and seed, a run is **unstable** when
+
+1. it diverged: a non-finite loss stopped it, or it logged no finite final validation loss;
+2. its final validation loss (the experiment's metric: `val/loss` or `val/ema_loss`, on the run's fixed
+   stratified validation set, `diagnostics/validation.py`) is more than `factor` times the best final
+   validation loss of that arm and seed over the grid, at an LR *above* the one that reached the best (it
+   stalled or degraded). A run that much worse at an LR *below* the best one trained too slowly: it is marked
+   `slow`, not unstable, so that a grid starting at too small an LR still has a stable range;
+3. its logged training loss (`loss`, one point per `train.log_every` steps) at steps >= `train.warmup_steps`
+   has a spike: a point above `k` times the trailing median of the (up to) `window` points before it, once it
+   has 5 of them (`diagnostics.stats.spike_indices`, the rule documented there).
+
+From the verdicts over the grid:
+
+* **max stable LR**: the largest grid LR such that it and every smaller grid LR are stable. It is censored at
+  both ends: stable at the grid's top, it is only a lower bound (">=" the top LR); unstable already at the
+  grid's bottom, it is null, and an upper bound ("<=" the smallest LR) where a claim compares it.
+* **best LR**: the grid LR with the lowest final validation loss among the stable runs (null when none is).
+* **LR sensitivity** (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training
+  instabilities", arXiv 2309.14322): E_lr[min(L(lr), L0) - L*], the expectation over learning rates drawn
+  log-uniformly from the grid's range, taken as the mean over the grid's LRs (exact for a grid evenly spaced
+  in log LR); L(lr) the final validation loss at lr, L* the best of them over the grid, L0 the validation loss
+  of the untrained network on the same set. A diverged run counts as L0. 0 means every LR reaches the best
+  loss; L0 - L* means only one does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..diagnostics.stats import spike_indices
+from ..utils.errors import ConfigError
+
+MODES = ("grid",)
+LOWER, UPPER, EXACT = ">=", "<=", ""  # the bound a max stable LR is: at the grid's top, at its bottom, a value
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The instability rule's parameters (see the module docstring)."""
+
+    factor: float = 1.5  # unstable above this many times the best final validation loss (above the best LR)
+    k: float = 3.0  # a training-loss spike: above k x its trailing median
+    window: int = 50  # points in the trailing median
+
+
+@dataclass(frozen=True)
+class LRRange:
+    """An experiment's `lr_range:` block, validated."""
+
+    lrs: tuple[float, ...]
+    rule: Rule = field(default_factory=Rule)
+    mode: str = "grid"
+
+    def design(self) -> dict[str, Any]:
+        """What the pre-registration records of it (`prereg.design_hash`)."""
+        return {"lrs": list(self.lrs), "rule": dataclasses.asdict(self.rule), "mode": self.mode}
+
+
+def lr_tag(lr: float) -> str:
+    """The canonical name of a grid LR: in run directories (`lr-<tag>`) and as the key of lr_range.json."""
+    return f"{lr:.3g}"
+
+
+def _number(v: Any) -> float | None:
+    """A YAML number (PyYAML reads `1e-4`, without a dot, as a string)."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_lr_range(raw: Any) -> LRRange:
+    """The `lr_range:` block, or a one-line ConfigError naming the fix."""
+    where = "experiment lr_range"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping like {{lrs: [1.0e-4, 3.0e-4, 1.0e-3], rule: {{factor: 1.5}}}}")
+    keys = ("lrs", "rule", "mode")
+    unknown = sorted(set(raw) - set(keys))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]}; valid: {', '.join(keys)}")
+    lrs = raw.get("lrs")
+    if not isinstance(lrs, list) or not lrs:
+        raise ConfigError(f"{where}.lrs: give a non-empty list of learning rates like [1.0e-4, 3.0e-4, 1.0e-3]")
+    values = []
+    for v in lrs:
+        x = _number(v)
+        if x is None or not math.isfinite(x):
+            raise ConfigError(f"{where}.lrs: {v!r} is not a learning rate; give numbers like 3.0e-4")
+        if x <= 0:
+            raise ConfigError(f"{where}.lrs: every learning rate must be > 0, got {v!r}; drop it")
+        if values and x <= values[-1]:
+            raise ConfigError(f"{where}.lrs: must be strictly increasing, got {v!r} after {values[-1]:g}; sort them "
+                              "and drop repeats")
+        if values and lr_tag(x) == lr_tag(values[-1]):
+            raise ConfigError(f"{where}.lrs: {values[-1]:g} and {x:g} both name the run directory lr-{lr_tag(x)}; "
+                              "space them further apart")
+        values.append(x)
+    rule_raw = raw.get("rule") or {}
+    if not isinstance(rule_raw, dict):
+        raise ConfigError(f"{where}.rule: expected a mapping like {{factor: 1.5, k: 3, window: 50}}")
+    names = [f.name for f in dataclasses.fields(Rule)]
+    bad = sorted(set(rule_raw) - set(names))
+    if bad:
+        raise ConfigError(f"{where}.rule: unknown key {bad[0]}; valid: {', '.join(names)}")
+    rule = {}
+    for name, lowest in (("factor", 1.0), ("k", 1.0)):
+        if name in rule_raw:
+            x = _number(rule_raw[name])
+            if x is None or not x > lowest or not math.isfinite(x):
+                raise ConfigError(f"{where}.rule.{name}: must be a number > {lowest:g}, got {rule_raw[name]!r}")
+            rule[name] = x
+    if "window" in rule_raw:
+        w = rule_raw["window"]
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ConfigError(f"{where}.rule.window: must be an integer >= 1 (points), got {w!r}")
+        rule["window"] = w
+    mode = str(raw.get("mode", "grid"))
+    if mode == "ramp":
+        raise ConfigError(f"{where}.mode: ramp (Smith's range test) is not implemented yet; use mode: grid")
+    if mode not in MODES:
+        raise ConfigError(f"{where}.mode: {mode!r}; choose one of {', '.join(MODES)}")
+    return LRRange(tuple(values), Rule(**rule), mode)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rule, on what the runs logged
+
+
+@dataclass
+class RunOutcome:
+    """What the rule reads of one run of the grid."""
+
+    lr: float
+    final: float  # the final validation loss (non-finite, or nan, when the run diverged or logged none)
+    diverged: bool = False
+    diverged_at: int | None = None
+    loss_steps: Sequence[int] = ()  # the logged training loss, for the spike test
+    loss: Sequence[float] = ()
+    warmup: int = 0  # train.warmup_steps: points logged before it are not judged
+
+
+@dataclass
+class Verdict:
+    """The rule's verdict on one run: stable or not, and why; `slow` marks a run far worse than the best at a
+    smaller LR (not unstable)."""
+
+    lr: float
+    stable: bool
+    reasons: list[str] = field(default_factory=list)
+    slow: bool = False
+
+
+def best_final(runs: Sequence[RunOutcome]) -> tuple[float, float | None]:
+    """(the best final validation loss over the grid, its LR); (nan, None) when no run has a finite one."""
+    ok = [(r.final, r.lr) for r in runs if not r.diverged and math.isfinite(r.final)]
+    return min(ok) if ok else (math.nan, None)
+
+
+def judge_grid(runs: Sequence[RunOutcome], rule: Rule) -> list[Verdict]:
+    """The rule's verdict on every run of one arm and seed over the grid (module docstring)."""
+    best, best_lr_ = best_final(runs)
+    out = []
+    for r in runs:
+        v = Verdict(r.lr, True)
+        if r.diverged or not math.isfinite(r.final):
+            v.stable = False
+            v.reasons.append("diverged" + (f" at step {r.diverged_at}" if r.diverged_at is not None else ""))
+            out.append(v)
+            continue
+        if r.final > rule.factor * best:
+            if r.lr > best_lr_:
+                v.stable = False
+                v.reasons.append(f"final {r.final:.4g} > {rule.factor:g} x best {best:.4g}")
+            else:
+                v.slow = True
+        if len(r.loss):
+            spikes = spike_indices(np.asarray(r.loss, dtype=np.float64), k=rule.k, window=rule.window,
+                                   warmup=r.warmup, steps=np.asarray(r.loss_steps, dtype=np.float64))
+            if spikes:
+                v.stable = False
+                v.reasons.append(f"training loss above {rule.k:g}x its trailing median at step "
+                                 f"{int(r.loss_steps[spikes[0]])}" + (f" (+{len(spikes) - 1} more)" if len(spikes) > 1
+                                                                       else ""))
+        out.append(v)
+    return out
+
+
+def max_stable_lr(lrs: Sequence[float], stable: Sequence[bool]) -> tuple[float | None, str]:
+    """(max stable LR, its bound): the largest LR with it and every smaller one stable; ">=" when that is the
+    grid's top, "<=" with None when the smallest LR is already unstable, "" otherwise."""
+    n = 0
+    while n < len(stable) and stable[n]:
+        n += 1
+    if n == 0:
+        return None, UPPER
+    return lrs[n - 1], (LOWER if n == len(lrs) else EXACT)
+
+
+def best_lr(lrs: Sequence[float], finals: Sequence[float], stable: Sequence[bool]) -> tuple[float | None, float]:
+    """(the stable LR with the lowest final validation loss, that loss); (None, inf) when no run is stable."""
+    ok = [(f, lr) for lr, f, s in zip(lrs, finals, stable) if s and math.isfinite(f)]
+    if not ok:
+        return None, math.inf
+    f, lr = min(ok)
+    return lr, f
+
+
+def lr_sensitivity(finals: Sequence[float], init_loss: float) -> float:
+    """Wortsman et al.'s LR sensitivity, mean over the grid of min(L(lr), L0) - L* (a non-finite L(lr), a
+    diverged run, counts as L0); nan when no run has a finite final loss or L0 is unknown."""
+    ok = [f for f in finals if math.isfinite(f)]
+    if not ok or not math.isfinite(init_loss):
+        return math.nan
+    best = min(ok)
+    return float(np.mean([min(f if math.isfinite(f) else init_loss, init_loss) - best for f in finals]))
