@@ -35,8 +35,11 @@ demo: $(STAMP) data
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks experiments
 
+# Two pytest-xdist workers, whole files per worker (module fixtures build once); PYTEST_WORKERS=0 runs serially.
+# `python -m pytest tests/test_x.py` (no xdist options) still runs one file in this process, for debugging.
+PYTEST_WORKERS ?= 2
 test: $(STAMP) data lint
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"
