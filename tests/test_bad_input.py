@@ -389,6 +389,7 @@ def _argv(case: Case, root: Path) -> list[str]:
     return [a.replace("{R}", str(root)) for a in case.argv]
 
 
+@pytest.mark.plots  # a failing command writes no PNG either (some fail only when they write it)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_line_naming_the_fix_and_changes_nothing(case, world, capsys, one_thread, monkeypatch):
     if case.patch is not None:

@@ -32,6 +32,7 @@ def one_line_error(err):
     return lines[0]
 
 
+@pytest.mark.plots  # curves.png, the samples grid and `sample --out`
 def test_train_then_sample_on_fashion_mnist(tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--config", "configs/demo.yaml", "--out", str(run), "--quiet",

@@ -88,6 +88,7 @@ def test_probe_batch_is_stored_and_reused_on_resume(tmp_path):
     assert last["step"] == 8 and last["probe/loss"] == pytest.approx(float(expect), rel=1e-5)
 
 
+@pytest.mark.plots("plot_runs")  # the diagnose report's figures
 def test_diagnose_two_runs_and_at_init(tmp_path, capsys):
     for name, method in [("org", "org"), ("cs", "cs")]:
         tr = Trainer(load_config(None, TOY + ALL_ON + ["train.steps=8", f"model.skip_scaling={method}"]),

@@ -224,6 +224,7 @@ def test_label_dropout_nulls_labels_at_rate_p_from_the_step_generator_and_resume
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.plots("save_samples", "plot_guidance_sweep")  # s.png and sweep.png
 def test_cli_guided_sample_class_grid_and_eval_sweep(tmp_path, capsys, one_thread):
     from steadydiff.cli import main
 

@@ -82,6 +82,7 @@ def test_latent_batches_draw_fresh_latents_per_step_and_rank_slices_match(stores
         get_batch(lat, idx, True, torch.Generator().manual_seed(1))
 
 
+@pytest.mark.plots("save_samples")  # the trainer's grid and `sample --out`
 def test_encode_train_sample_eval_end_to_end_and_resume_is_exact(stores, tmp_path, capsys):
     from PIL import Image
     from safetensors.torch import load_file

@@ -347,6 +347,7 @@ def test_storage_disk_full_writing_metrics_is_one_line_and_resumable(tmp_path, c
     assert [r["step"] for r in records(run) if "loss" in r] == list(range(1, 7))
 
 
+@pytest.mark.plots("save_samples")  # the PNG write that hits the full disk
 def test_storage_disk_full_writing_a_png_keeps_the_old_file(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     assert main(["train", "--out", str(run), "--quiet", *cli_sets("train.steps=1")]) == 0

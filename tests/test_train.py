@@ -31,6 +31,7 @@ def losses(run_dir):
     return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
+@pytest.mark.plots  # curves.png and the samples
 @pytest.mark.slow
 def test_toy2d_training_lowers_loss_and_moves_samples_to_the_data(tmp_path):
     cfg = toy_cfg("train.steps=300", "model.skip_scaling=cs", "train.ema_decay=0.95")
