@@ -1,8 +1,8 @@
 """Speed switches (same results within fp32 round-off), FLOP accounting, and the GPU check's CPU mode."""
 
+import importlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -199,28 +199,27 @@ def test_fit_logs_flops_once_and_mfu_on_every_log_line(tmp_path):
 # benchmarks/gpu_check.py in its CPU mode
 
 
-def test_gpu_check_runs_in_tiny_cpu_mode(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny",
-                           "--out", str(tmp_path / "gpu_check")], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_gpu_check_runs_in_tiny_cpu_mode(tmp_path, capsys):
+    gpu_check = _bench_module("gpu_check")
+    code = gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "gpu_check")])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["numerics"] and all(c["ok"] for c in res["numerics"])
     names = {r["config"] for r in res["timing"]}
     assert names == {"demo", "uvit-cifar10-s2", "edm2-img64-s"}
     for r in res["timing"]:
         assert r["images_per_s"] > 0 and r["flops_per_step"] > 0 and r["mfu"] > 0
-    assert "| config |" in proc.stdout
+    assert "| config |" in out
 
 
-def _gpu_check_module():
+def _bench_module(name: str):
+    """A script of benchmarks/ as a module (its `main(argv)` runs it in this process: no interpreter start)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import gpu_check
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return gpu_check
 
 
 @pytest.mark.parametrize("kind", ["conv", "linear"])
@@ -228,7 +227,7 @@ def test_op_breakdown_names_the_op_that_dominates(kind):
     """A step that is one large conv (or matmul) puts most of its time in that category; shares add up to 1."""
     from torch.profiler import ProfilerActivity, profile
 
-    op_breakdown = _gpu_check_module().op_breakdown
+    op_breakdown = _bench_module("gpu_check").op_breakdown
     torch.manual_seed(0)
     if kind == "conv":
         net, x, cat = nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.randn(16, 64, 32, 32), "convolution"
@@ -243,13 +242,11 @@ def test_op_breakdown_names_the_op_that_dominates(kind):
     assert max(shares, key=shares.get) == cat
 
 
-def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speed_switches.py"), "--device", "cpu",
-                           "--tiny", "--rounds", "2", "--steps", "1", "--warmup", "1", "--configs", "demo",
-                           "--variants", "channels_last", "optimizer plain loop", "grad checkpointing",
-                           "--out", str(tmp_path / "ss")], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path, capsys):
+    code = _bench_module("speed_switches").main([
+        "--device", "cpu", "--tiny", "--rounds", "2", "--steps", "1", "--warmup", "1", "--configs", "demo",
+        "--variants", "channels_last", "optimizer plain loop", "grad checkpointing", "--out", str(tmp_path / "ss")])
+    assert code == 0, capsys.readouterr().err[-3000:]
     res = json.loads((tmp_path / "ss.json").read_text())
     rows = {r["variant"]: r for r in res["results"]}
     assert list(rows) == ["default", "channels_last", "optimizer plain loop", "grad checkpointing"]
@@ -258,15 +255,13 @@ def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path):
     assert "| demo | channels_last |" in (tmp_path / "ss.md").read_text()
 
 
-def test_gpu_evidence_runs_in_tiny_cpu_mode(tmp_path):
+def test_gpu_evidence_runs_in_tiny_cpu_mode(tmp_path, capsys):
     """benchmarks/gpu_evidence.py end to end at toy size on the CPU: the main test's compare with its claims,
-    the two paper-size stand-ins trained, and the diagnose report over them."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    the two paper-size stand-ins trained, and the diagnose report over them (as the script's own processes)."""
     out = tmp_path / "ev"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--tiny", "--device", "cpu",
-                           "--lrs", "1e-3", "--minutes", "6", "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code = _bench_module("gpu_evidence").main(["--tiny", "--device", "cpu", "--lrs", "1e-3", "--minutes", "6",
+                                               "--out", str(out)])
+    assert code == 0, "".join(capsys.readouterr())
     summary = json.loads((out / "summary.json").read_text())
     assert {k: v["exit"] for k, v in summary["status"].items()} == {
         "main-lr0.001": 0, "uvit-s-org": 0, "uvit-s-cs": 0, "uvit-s-diagnose": 0}
