@@ -5,15 +5,22 @@
   cores spin in OpenMP waiting for each other: a 16 s diagnose took 128 s next to other work.
 - Plots: matplotlib figures and sample PNGs are no-ops for every test not marked `@pytest.mark.plots`
   (drawing was most of the wall time of a tiny training run: 0.5 of 0.6 s for 2 toy steps).
+- The toy run (tests/helpers.py: `toy`, `toy_cfg`, `toy_sets`): `toy_run` is a copy of one 2-step run trained
+  once per session (per xdist worker); `assert_resume_exact` is the full / split / resume check.
 """
 
+import functools
 import importlib
 import os
+import shutil
 import sys
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 import pytest
 import torch
+
+import helpers
 
 # ---------------------------------------------------------------------------------------------------------
 # Threads
@@ -105,3 +112,32 @@ def _plots(request, _plot_switch, monkeypatch):
     unknown = set(real) - {fn.__name__ for fn in _plot_switch.real}
     assert not unknown, f"@pytest.mark.plots: no plot function {sorted(unknown)} in tests/conftest.py"
     _plot_switch.point(monkeypatch, real)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The toy run
+
+
+@pytest.fixture(scope="session")
+def toy_run_shared(tmp_path_factory):
+    """The toy run trained to step 2 once per session (per xdist worker). Read it or copy it; never change it:
+    `toy_run` is a copy."""
+    from steadydiff.config import load_config
+    from steadydiff.train import Trainer
+
+    run = tmp_path_factory.mktemp("toy_run") / "run"
+    Trainer(load_config(None, helpers.TOY_RUN), run, show_progress=False).fit()
+    return run
+
+
+@pytest.fixture
+def toy_run(toy_run_shared, tmp_path):
+    """tmp_path/run: a copy of the toy run trained to step 2 (`helpers.TOY_RUN`; checkpoint step-0000002),
+    instead of training it again."""
+    return Path(shutil.copytree(toy_run_shared, tmp_path / "run"))
+
+
+@pytest.fixture
+def assert_resume_exact(tmp_path):
+    """`assert_resume_exact(overrides, steps, ...)`: helpers.assert_resume_exact with its runs under tmp_path."""
+    return functools.partial(helpers.assert_resume_exact, tmp_path)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import steadydiff
-from helpers import LATENT_UNET, UVIT, latent_stores, rgb_tree
+from helpers import LATENT_UNET, UVIT, latent_stores, rgb_tree, toy
 from steadydiff.config import load_config
 from steadydiff.runs import latest_checkpoint, read_checkpoint
 from steadydiff.train import Trainer
@@ -31,13 +31,10 @@ from steadydiff.utils.distributed import fingerprint
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
 HERE = Path(__file__).resolve().parent
-TOY = [
-    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-    "train.batch_size=64", "train.grad_accum=2", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1",
-    "train.ckpt_every=2", "train.keep_ckpts=10", "train.sample_n=64", "train.sample_steps=5", "train.threads=1",
-    "train.ema_decay=0.9", "train.ema_sigma_rels=[0.1]", "train.eval_every=2", "train.eval_metrics=[sw]",
-    "train.eval_n=64", "train.eval_batch=16",  # 4 eval chunks, shared out over the ranks
-]
+TOY = toy("data.toy_size=2000", "train.batch_size=64", "train.grad_accum=2", "train.ckpt_every=2",
+          "train.keep_ckpts=10", "train.sample_n=64", "train.sample_steps=5", "train.ema_decay=0.9",
+          "train.ema_sigma_rels=[0.1]", "train.eval_every=2", "train.eval_metrics=[sw]", "train.eval_n=64",
+          "train.eval_batch=16")  # 4 eval chunks, shared out over the ranks
 N2, N1 = 4, 8  # steps of the 2-process run, and of the 1-process reference it is resumed towards
 
 

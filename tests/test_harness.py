@@ -1,17 +1,16 @@
-"""The test suite's own machinery (tests/conftest.py): plots are no-ops unless a test is marked `plots`."""
+"""The test suite's own machinery (tests/conftest.py, tests/helpers.py): plots are no-ops unless a test is
+marked `plots`; `toy_run` is a private copy of the session's toy run."""
 
 import pytest
 
-from steadydiff.config import load_config
+from helpers import TOY_RUN, toy_cfg
+from steadydiff.runs import latest_checkpoint, read_config
 from steadydiff.train import Trainer
-
-TINY = ["data.name=toy2d", "data.toy_size=200", "model.backbone=mlp_unet", "model.hidden=16", "model.depth=2",
-        "train.batch_size=16", "train.sample_n=16", "train.sample_steps=2", "train.threads=1", "train.steps=1"]
 
 
 def _outputs(tmp_path):
     run = tmp_path / "run"
-    Trainer(load_config(None, TINY), run, show_progress=False).fit()
+    Trainer(toy_cfg("train.steps=1"), run, show_progress=False).fit()
     return (run / "curves.png").exists(), (run / "samples" / "step-0000001.png").exists()
 
 
@@ -27,3 +26,13 @@ def test_marked_tests_draw_everything(tmp_path):
 @pytest.mark.plots("save_samples")
 def test_a_mark_with_names_keeps_those_only(tmp_path):
     assert _outputs(tmp_path) == (False, True)
+
+
+def test_toy_run_is_a_copy_of_the_shared_run(toy_run, toy_run_shared, tmp_path):
+    from steadydiff.config import load_config
+
+    assert toy_run.parent == tmp_path and toy_run != toy_run_shared
+    assert latest_checkpoint(toy_run / "checkpoints").name == "step-0000002"
+    assert read_config(toy_run).to_dict() == load_config(None, TOY_RUN).to_dict()
+    assert sorted(p.relative_to(toy_run) for p in toy_run.rglob("*")) == \
+        sorted(p.relative_to(toy_run_shared) for p in toy_run_shared.rglob("*"))

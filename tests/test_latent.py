@@ -63,31 +63,26 @@ def test_latent_batches_draw_fresh_latents_per_step_and_rank_slices_match(stores
 
 
 @pytest.mark.plots("save_samples")  # the trainer's grid and `sample --out`
-def test_encode_train_sample_eval_end_to_end_and_resume_is_exact(stores, tmp_path, capsys):
+def test_encode_train_sample_eval_end_to_end_and_resume_is_exact(stores, tmp_path, capsys, assert_resume_exact):
     from PIL import Image
-    from safetensors.torch import load_file
 
-    from steadydiff.train import Trainer
 
     cfg = UNET + ["data.name=store", f"data.root={stores / 'lat'}"]
-    Trainer(load_config("configs/demo.yaml", cfg + ["train.steps=4"]), tmp_path / "a", show_progress=False).fit()
-    Trainer(load_config("configs/demo.yaml", cfg + ["train.steps=2"]), tmp_path / "b", show_progress=False).fit()
-    Trainer(load_config("configs/demo.yaml", cfg + ["train.steps=4"]), tmp_path / "b", show_progress=False).fit()
-    wa, wb = (load_file(str(tmp_path / r / "checkpoints" / "step-0000004" / "model.safetensors")) for r in "ab")
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    grid = next((tmp_path / "a" / "samples").glob("*.png"))
+    # 4 steps (run a), and 2 then resumed to 4: the same step-4 weights, bit for bit
+    a = assert_resume_exact(cfg, 4, config="configs/demo.yaml", weights=0, ema=False).full
+    grid = next((a / "samples").glob("*.png"))
     png = tmp_path / "s.png"
-    assert main(["sample", str(tmp_path / "a"), "--n", "4", "--steps", "2", "--out", str(png)]) == 0
+    assert main(["sample", str(a), "--n", "4", "--steps", "2", "--out", str(png)]) == 0
     assert Image.open(png).size == Image.open(grid).size  # decoded 28x28 images, the trainer's grid layout
     w, h = Image.open(png).size
     assert w > 28 and h >= 28  # pixels, not 14x14 latents
     out = tmp_path / "eval.json"
-    assert main(["eval", str(tmp_path / "a"), "--metric", "fd_fmnist", "--n", "8", "--steps", "2",
+    assert main(["eval", str(a), "--metric", "fd_fmnist", "--n", "8", "--steps", "2",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["metrics"]["fd_fmnist"] > 0
     capsys.readouterr()
     # the store's VAE moved: --vae points at a copy; another VAE is refused
-    assert main(["sample", str(tmp_path / "a"), "--n", "2", "--steps", "1", "--out", str(png),
+    assert main(["sample", str(a), "--n", "2", "--steps", "1", "--out", str(png),
                  "--vae", str(stores / "vae")]) == 0
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import toy
 from steadydiff.config import ConfigError, load_config
 from steadydiff.diffusion import VPSDE, build_formulation
 from steadydiff.nn import build_model
@@ -17,8 +18,7 @@ from steadydiff.train import Trainer, loop
 from steadydiff.train.flops import count_train_flops, measure_peak_flops
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = ["data.name=toy2d", "data.toy_size=512", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-       "train.batch_size=32", "train.threads=1", "train.warmup_steps=1", "train.lr=1e-2"]
+TOY = toy("data.toy_size=512", "train.warmup_steps=1", "train.lr=1e-2")
 # A tiny conv UNet on 64 Fashion-MNIST images (attention at 14x14 so SDPA is exercised too).
 IMG = ["data.max_items=64", "model.channels=8", "model.channel_mult=[1,2]", "model.num_res_blocks=1",
        "model.attn_resolutions=[14]", "model.num_heads=2", "train.batch_size=8", "train.threads=1",

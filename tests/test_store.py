@@ -99,19 +99,15 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_training_on_a_store_reproduces_training_in_memory_and_resumes_exactly(tmp_path):
+def test_training_on_a_store_reproduces_training_in_memory_and_resumes_exactly(tmp_path, assert_resume_exact):
     rgb_tree(tmp_path / "imgs", n_per_class=12)
     build_store(str(tmp_path / "imgs"), tmp_path / "st", resolution=8, shard_size=5, workers=0, progress=False)
     mem = load_config(None, UVIT + ["data.name=folder", f"data.root={tmp_path / 'imgs'}"])
-    st = load_config(None, UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}"])
     Trainer(mem, tmp_path / "mem", show_progress=False).fit()
-    Trainer(st, tmp_path / "store", show_progress=False).fit()
-    assert _losses(tmp_path / "mem") == _losses(tmp_path / "store") and len(_losses(tmp_path / "mem")) == 6
-    # Stopped at step 3 and resumed: the same trajectory.
-    half = load_config(None, UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}", "train.steps=3"])
-    Trainer(half, tmp_path / "split", show_progress=False).fit()
-    Trainer(st, tmp_path / "split", show_progress=False).fit()
-    assert _losses(tmp_path / "split") == _losses(tmp_path / "store")
+    # On the store: 6 steps in one go, and stopped at step 3 and resumed: the same trajectory (same losses).
+    runs = assert_resume_exact(UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}"], 6, split=3, losses=0)
+    assert _losses(tmp_path / "mem") == _losses(runs.full) and len(_losses(tmp_path / "mem")) == 6
+    assert _losses(runs.split) == _losses(runs.full)
 
 
 def test_a_killed_build_never_looks_complete_and_continues(tmp_path, monkeypatch):
