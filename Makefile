@@ -35,11 +35,12 @@ demo: $(STAMP) data
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks experiments
 
-# Two pytest-xdist workers, whole files per worker (module fixtures build once); PYTEST_WORKERS=0 runs serially.
+# Two pytest-xdist workers, whole files per worker (module fixtures build once), the longest files first
+# (tests/conftest.py orders them; --no-loadscope-reorder keeps that order); PYTEST_WORKERS=0 runs serially.
 # `python -m pytest tests/test_x.py` (no xdist options) still runs one file in this process, for debugging.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) data lint
-	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"

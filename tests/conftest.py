@@ -27,6 +27,8 @@ import helpers
 
 
 def _worker_threads() -> int | None:
+    if os.environ.get("STEADYDIFF_TEST_THREADS"):  # an explicit choice, e.g. to measure
+        return int(os.environ["STEADYDIFF_TEST_THREADS"])
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return None
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -47,6 +49,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Order: the longest files first
+
+# The files that take longest (tests/README.md has the timings), longest first. xdist (--dist loadfile) hands
+# out whole files; started early, none of them is left for the end while the other worker sits idle. `make
+# test` passes --no-loadscope-reorder, so xdist keeps this order (its default sorts files by test count).
+LONGEST_FIRST = ["test_perf.py", "test_metrics_features.py", "test_distributed.py", "test_reliability.py",
+                 "test_guidance.py", "test_experiments.py", "test_inference.py", "test_bad_input.py",
+                 "test_diagnostics.py", "test_cli.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
 
 
 # ---------------------------------------------------------------------------------------------------------
