@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # Pin the CPU build the project is developed against; CUDA users install their own torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint data clean bench
+.PHONY: demo test test-fast lint data clean bench
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ lint: $(STAMP)
 PYTEST_WORKERS ?= 2
 test: $(STAMP) data lint
 	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The inner loop: everything but the tests marked slow (CI's .ci/run runs `make test`, all of them).
+test-fast: $(STAMP) data lint
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"

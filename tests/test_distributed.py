@@ -256,6 +256,7 @@ def _workers_of(run: Path) -> dict[int, int]:
     return mod.workers_of(run)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the worker processes")
 def test_a_killed_rank_restarts_under_torchrun_from_the_last_checkpoint(single, tmp_path):
     """SIGKILL rank 1 mid-run; torchrun --max-restarts=1 restarts both ranks, which resume from the last

@@ -255,6 +255,7 @@ def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path, capsys):
     assert "| demo | channels_last |" in (tmp_path / "ss.md").read_text()
 
 
+@pytest.mark.slow
 def test_gpu_evidence_runs_in_tiny_cpu_mode(tmp_path, capsys):
     """benchmarks/gpu_evidence.py end to end at toy size on the CPU: the main test's compare with its claims,
     the two paper-size stand-ins trained, and the diagnose report over them (as the script's own processes)."""

@@ -67,6 +67,7 @@ def _soak_module():
     return mod
 
 
+@pytest.mark.slow
 def test_soak_sigkill_three_times_resumes_exactly(tmp_path):
     # Order chosen so each kill has work left to interrupt: a fresh start, a step <= 10, then the next
     # checkpoint write (at most step 15). Seed 9 draws a kill at 1.26 s, one at step 6, and one 0.047 s into
