@@ -140,11 +140,11 @@ def _plots(request, _plot_switch, monkeypatch):
 def toy_run_shared(tmp_path_factory):
     """The toy run trained to step 2 once per session (per xdist worker). Read it or copy it; never change it:
     `toy_run` is a copy."""
-    from steadydiff.config import load_config
-    from steadydiff.train import Trainer
+    from steadydiff.cli import main
 
     run = tmp_path_factory.mktemp("toy_run") / "run"
-    Trainer(load_config(None, helpers.TOY_RUN), run, show_progress=False).fit()
+    sets = [a for o in helpers.TOY_RUN for a in ("--set", o)]
+    assert main(["train", "--out", str(run), "--quiet", *sets]) == 0  # as the tests that copy it trained it
     return run
 
 
