@@ -109,7 +109,7 @@ def launch(tmp_path_factory):
             *sets_of(LATENT_UNET + LATENT_SETS + [f"data.root={lat / 'lat'}"])]})
     plan = base / "plan.json"
     plan.write_text(json.dumps({"out": str(base / "results"), "commands": commands}))
-    proc = torchrun(2, str(HERE / "torchrun_worker.py"), str(plan), timeout=900)
+    proc = torchrun(2, str(HERE / "torchrun_worker.py"), str(plan), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     def result(name: str) -> SimpleNamespace:
