@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # Pin the CPU build the project is developed against; CUDA users install their own torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint data clean bench
+.PHONY: demo test test-fast lint data clean bench
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -35,8 +35,18 @@ demo: $(STAMP) data
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks experiments
 
+# Two pytest-xdist workers, whole files per worker (module fixtures build once), the longest files first
+# (tests/conftest.py orders them; --no-loadscope-reorder keeps that order); PYTEST_WORKERS=0 runs serially.
+# `python -m pytest tests/test_x.py` (no xdist options) still runs one file in this process, for debugging.
+# PYTEST_ARGS adds options, e.g. make test PYTEST_ARGS=--durations=40
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: $(STAMP) data lint
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests marked slow (CI's .ci/run runs `make test`, all of them).
+test-fast: $(STAMP) data lint
+	$(BIN)/python -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[bench]"

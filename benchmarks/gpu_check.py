@@ -329,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {timing[-1]['images_per_s']:.1f} img/s", flush=True)
     print("\n" + "\n".join(TABLE_HEAD + [fmt_row(r) for r in timing]))
 
+    command = "python " + " ".join(sys.argv if argv is None else ["benchmarks/gpu_check.py", *argv])
     meta = {
-        "command": "python " + " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        "command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), "device": device_name(device), "torch": torch.__version__, "tiny": args.tiny,
         "switches": {"channels_last": args.channels_last, "compile": args.compile, "optimizer": args.optimizer},
         "peak_flops": peak, "peak_dtype": str(dtype), "steps": steps, "warmup": warmup,

@@ -50,7 +50,7 @@ def sets(pairs: list[str]) -> list[str]:
     return [a for p in pairs for a in ("--set", p)]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lrs", default="5e-4,1e-3,2e-3", help="learning rates of the main test (one compare each)")
     ap.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of the whole script")
@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny models, 2 seeds, a few steps")
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_evidence"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t_end = time.monotonic() + 60 * args.minutes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

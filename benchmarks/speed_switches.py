@@ -72,7 +72,7 @@ def time_steps(step, args, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--configs", nargs="+", default=["demo", "uvit-fashion"], choices=sorted(FILES))
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="shrunken models (a smoke test of this script)")
     ap.add_argument("--out", default=str(ROOT / "results" / "speed_switches"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     variants = ["default"] + [v for v in args.variants if v != "default"]
 
@@ -114,7 +114,7 @@ def main() -> None:
                   f"(rounds {min(per_round):.2f}-{max(per_round):.2f}), warm-up {row['warmup_s']:.1f} s", flush=True)
         del built
 
-    meta = {"command": "python " + " ".join(sys.argv),
+    meta = {"command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/speed_switches.py", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{device_name(device)}, torch {torch.__version__}", "batch": args.batch,
             "rounds": args.rounds, "steps": args.steps, "results": results}
@@ -137,7 +137,8 @@ def main() -> None:
                      f"{r['speedup_vs_default']:.2f}x ({min(pr):.2f}-{max(pr):.2f}) | {r['warmup_s']:.1f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')} and .md")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import toy_sets
 from steadydiff.cli import EXIT_NONFINITE, EXIT_USER_ERROR, main
 
-TOY = ["--set", "data.name=toy2d", "--set", "data.toy_size=500", "--set", "model.backbone=mlp_unet",
-       "--set", "model.hidden=32", "--set", "model.depth=4", "--set", "train.batch_size=32",
-       "--set", "train.sample_n=64", "--set", "train.sample_steps=4", "--set", "train.threads=1"]
+TOY = toy_sets("train.sample_n=64", "train.sample_steps=4")
 
 
 def run_cli(argv, capsys):
@@ -32,6 +31,7 @@ def one_line_error(err):
     return lines[0]
 
 
+@pytest.mark.plots  # curves.png, the samples grid and `sample --out`
 def test_train_then_sample_on_fashion_mnist(tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--config", "configs/demo.yaml", "--out", str(run), "--quiet",
@@ -125,11 +125,10 @@ def test_nan_loss_exits_nonzero_and_keeps_the_run(tmp_path, capsys):
     assert snapshot(run / "checkpoints") == before
 
 
-def test_different_config_on_an_existing_run_is_refused(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert run_cli(["train", "--out", str(run), "--quiet", *TOY, "--set", "train.steps=2"], capsys)[0] == 0
+def test_different_config_on_an_existing_run_is_refused(toy_run, capsys):
+    run = toy_run  # `train --out run --quiet *toy_sets("train.steps=2")`, trained once per session
     before = snapshot(run)
-    code, _, err = run_cli(["train", "--out", str(run), "--quiet", *TOY, "--set", "train.steps=2",
+    code, _, err = run_cli(["train", "--out", str(run), "--quiet", *toy_sets("train.steps=2"),
                             "--set", "train.lr=0.5"], capsys)
     assert code == EXIT_USER_ERROR
     assert "different config" in one_line_error(err) and "train.lr" in err

@@ -7,16 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import toy
 from steadydiff.config import load_config
 from steadydiff.train import Trainer
 from steadydiff.train.momentum import MomentumSchedule
 from steadydiff.train.timesteps import CLTSTimesteps
 
-TOY = [
-    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-    "train.batch_size=64", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1", "train.threads=1",
-    "train.ckpt_every=1000", "train.sample_n=16", "train.sample_steps=3",
-]
+TOY = toy("data.toy_size=2000", "train.batch_size=64", "train.ckpt_every=1000", "train.sample_n=16",
+          "train.sample_steps=3")
 
 
 def reference_p(k, kc, mu, sigma, bins):
@@ -103,20 +101,16 @@ def test_the_optimiser_uses_the_scheduled_beta1(tmp_path):
 
 
 @pytest.mark.parametrize("formulation", [[], ["diffusion.kind=edm", "train.sample_sampler=euler"]])
-def test_resume_continues_both_schedules_exactly(tmp_path, formulation):
+def test_resume_continues_both_schedules_exactly(assert_resume_exact, formulation):
     extra = ["train.timesteps=clts", "train.clts_steps=12", "train.momentum=mdlrc", "train.momentum_steps=12",
              "train.clts_importance=true", *formulation]
-    Trainer(load_config(None, TOY + extra + ["train.steps=16"]), tmp_path / "full", show_progress=False).fit()
-    Trainer(load_config(None, TOY + extra + ["train.steps=8", "train.ckpt_every=8"]), tmp_path / "split",
-            show_progress=False).fit()
-    Trainer(load_config(None, TOY + extra + ["train.steps=16", "train.ckpt_every=8"]), tmp_path / "split",
-            show_progress=False).fit()
+    runs = assert_resume_exact(TOY + extra, 16, split=8, split_overrides=["train.ckpt_every=8"])  # compared below
 
     def log(run):
         rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
         return [(r["step"], r["loss"], r["beta1"], r["lr"], r["level_hist"]) for r in rows if "loss" in r]
 
-    a, b = log(tmp_path / "full"), log(tmp_path / "split")
+    a, b = log(runs.full), log(runs.split)
     assert [r[0] for r in a] == [r[0] for r in b] == list(range(1, 17))
     for ra, rb in zip(a, b):
         assert ra[1] == pytest.approx(rb[1], abs=1e-6) and ra[2:] == rb[2:]

@@ -6,17 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import toy
 from steadydiff.cli import main
 from steadydiff.config import load_config
 from steadydiff.diagnostics.monitors import block_groups, build_monitors
 from steadydiff.train import Trainer
 
-TOY = [
-    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=6",
-    "model.dropout=0.1", "model.skip_scaling=ls_ns", "train.batch_size=64", "train.lr=2e-3",
-    "train.warmup_steps=2", "train.log_every=1", "train.ckpt_every=1000", "train.sample_n=64",
-    "train.sample_steps=4", "train.threads=1",
-]
+TOY = toy("data.toy_size=2000", "model.depth=6", "model.dropout=0.1", "model.skip_scaling=ls_ns",
+          "train.batch_size=64", "train.ckpt_every=1000", "train.sample_n=64", "train.sample_steps=4")
 ALL_ON = ["diagnostics.probe_every=2", "diagnostics.update_every=3", "diagnostics.magnitude_every=4",
           "diagnostics.probe_size=16"]
 
@@ -88,6 +85,7 @@ def test_probe_batch_is_stored_and_reused_on_resume(tmp_path):
     assert last["step"] == 8 and last["probe/loss"] == pytest.approx(float(expect), rel=1e-5)
 
 
+@pytest.mark.plots("plot_runs")  # the diagnose report's figures
 def test_diagnose_two_runs_and_at_init(tmp_path, capsys):
     for name, method in [("org", "org"), ("cs", "cs")]:
         tr = Trainer(load_config(None, TOY + ALL_ON + ["train.steps=8", f"model.skip_scaling={method}"]),

@@ -1,23 +1,28 @@
-"""Distributed data parallel: `torchrun --nproc_per_node=2` (gloo, CPU) on a tiny toy2d run.
+"""Distributed data parallel: `torchrun --nproc_per_node=2` (gloo, CPU) on tiny runs.
 
-One 2-process run (4 steps, grad_accum 2, post-hoc EMA, periodic eval) is shared by the tests; the
-single-process reference runs in this process. Tolerances: the 2-process run sums gradients in another
-order (per-shard, then DDP's average), so it matches the 1-process run to float32 round-off, amplified a
-little by Adam over a few steps: 1e-5 relative on losses, 1e-5 absolute on weights.
+Every 2-process command of this file (the shared 4-step toy2d run with grad_accum 2, post-hoc EMA and periodic
+eval; a refused global batch; `steadydiff eval`; training on an image store and on a latent store) runs in one
+torchrun launch (tests/torchrun_worker.py), once per module; the killed-rank test needs its own launch
+(--max-restarts). Single-process references run in this process. Tolerances: the 2-process run sums gradients
+in another order (per-shard, then DDP's average), so it matches the 1-process run to float32 round-off,
+amplified a little by Adam over a few steps: 1e-5 relative on losses, 1e-5 absolute on weights.
 """
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import steadydiff
+from helpers import LATENT_UNET, UVIT, latent_stores, rgb_tree, toy
 from steadydiff.config import load_config
 from steadydiff.runs import latest_checkpoint, read_checkpoint
 from steadydiff.train import Trainer
@@ -26,13 +31,10 @@ from steadydiff.utils.distributed import fingerprint
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
 HERE = Path(__file__).resolve().parent
-TOY = [
-    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-    "train.batch_size=64", "train.grad_accum=2", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1",
-    "train.ckpt_every=2", "train.keep_ckpts=10", "train.sample_n=64", "train.sample_steps=5", "train.threads=1",
-    "train.ema_decay=0.9", "train.ema_sigma_rels=[0.1]", "train.eval_every=2", "train.eval_metrics=[sw]",
-    "train.eval_n=64", "train.eval_batch=16",  # 4 eval chunks, shared out over the ranks
-]
+TOY = toy("data.toy_size=2000", "train.batch_size=64", "train.grad_accum=2", "train.ckpt_every=2",
+          "train.keep_ckpts=10", "train.sample_n=64", "train.sample_steps=5", "train.ema_decay=0.9",
+          "train.ema_sigma_rels=[0.1]", "train.eval_every=2", "train.eval_metrics=[sw]", "train.eval_n=64",
+          "train.eval_batch=16")  # 4 eval chunks, shared out over the ranks
 N2, N1 = 4, 8  # steps of the 2-process run, and of the 1-process reference it is resumed towards
 
 
@@ -48,19 +50,82 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
+def loss_list(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows(run) if "loss" in r}
 
 
+HAVE_DIFFUSERS = importlib.util.find_spec("diffusers") is not None  # the latent store's VAE
+EVAL_ARGS = ["--metric", "fd_fmnist,kid", "--num-samples", "48", "--batch", "16", "--steps", "2", "--threads", "1"]
+STORE_SETS = ["data.name=store", "train.steps=4"]  # + data.root: UVIT on the image store
+LATENT_SETS = ["data.name=store", "train.steps=3", "train.sample_every=0", "train.ckpt_every=100",
+               "train.log_every=1"]  # + data.root: LATENT_UNET (with configs/demo.yaml) on the latent store
+
+
+def sets_of(overrides: list[str]) -> list[str]:
+    return [a for s in overrides for a in ("--set", s)]
+
+
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    """The 2-process run: (run dir, per-rank dumps dir, completed process)."""
-    base = tmp_path_factory.mktemp("ddp")
-    run, dump = base / "run2", base / "dump"
-    sets = [a for s in TOY + [f"train.steps={N2}"] for a in ("--set", s)]
-    proc = torchrun(2, str(HERE / "ddp_worker.py"), str(dump), "train", "--out", str(run), "--quiet", *sets)
+def launch(tmp_path_factory):
+    """One `torchrun --nproc_per_node=2` launch of every 2-process command of this file, with the inputs they
+    read (made here, in this process). `launch.result(name)`: each rank's exit code, and stdout and stderr of
+    the ranks together (as torchrun's own output would hold them)."""
+    from steadydiff.cli import main
+
+    base = tmp_path_factory.mktemp("torchrun")
+    commands = []
+    # The shared 2-process toy2d run (`ddp`); each rank also dumps its weights.
+    commands.append({"name": "ddp", "dump": str(base / "dump"),
+                     "argv": ["train", "--out", str(base / "run2"), "--quiet", *sets_of(TOY + [f"train.steps={N2}"])]})
+    # A global batch the processes cannot share.
+    (base / "b66").mkdir()
+    commands.append({"name": "b66", "argv": ["train", "--out", str(base / "b66" / "run"), "--quiet",
+                                             *sets_of(TOY + ["train.batch_size=66"])]})
+    # `steadydiff eval` of a 2-step Fashion-MNIST run, beside the same eval on one process.
+    ev = base / "eval"
+    assert main(["train", "--config", "configs/demo.yaml", "--out", str(ev / "run"), "--quiet", "--set",
+                 "train.steps=2", "--set", "data.max_items=64", "--set", "train.batch_size=4", "--set",
+                 "model.channels=8", "--set", "train.sample_n=4", "--set", "train.sample_steps=2", "--set",
+                 "train.threads=1"]) == 0
+    assert main(["eval", str(ev / "run"), *EVAL_ARGS, "--out", str(ev / "one.json")]) == 0
+    commands.append({"name": "eval", "argv": ["eval", str(ev / "run"), *EVAL_ARGS, "--out", str(ev / "two.json")]})
+    # Training on an image store.
+    from steadydiff.data import build_store
+
+    st = base / "store"
+    rgb_tree(st / "imgs", n_per_class=12)
+    build_store(str(st / "imgs"), st / "st", resolution=8, shard_size=5, workers=0, progress=False)
+    commands.append({"name": "store", "argv": ["train", "--out", str(st / "two"), "--quiet",
+                                               *sets_of(UVIT + STORE_SETS + [f"data.root={st / 'st'}"])]})
+    # Training on a latent store.
+    if HAVE_DIFFUSERS:
+        lat = latent_stores(base / "latent")
+        commands.append({"name": "latent", "argv": [
+            "train", "--config", "configs/demo.yaml", "--out", str(lat / "two"), "--quiet",
+            *sets_of(LATENT_UNET + LATENT_SETS + [f"data.root={lat / 'lat'}"])]})
+    plan = base / "plan.json"
+    plan.write_text(json.dumps({"out": str(base / "results"), "commands": commands}))
+    proc = torchrun(2, str(HERE / "torchrun_worker.py"), str(plan), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run, dump, proc
+
+    def result(name: str) -> SimpleNamespace:
+        recs = [json.loads((base / "results" / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+        return SimpleNamespace(codes=[r["code"] for r in recs], stdout="".join(r["stdout"] for r in recs),
+                               stderr="".join(r["stderr"] for r in recs))
+
+    return SimpleNamespace(base=base, result=result)
+
+
+@pytest.fixture(scope="module")
+def ddp(launch):
+    """The 2-process run: (run dir, per-rank dumps dir, its output)."""
+    res = launch.result("ddp")
+    assert res.codes == [0, 0], res.stderr[-3000:]
+    return launch.base / "run2", launch.base / "dump", res
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +175,7 @@ def test_two_processes_match_one_process_at_the_same_global_batch(ddp, single):
 
 
 def test_only_rank0_writes(ddp):
-    run, _, proc = ddp
+    run, _, out = ddp
     rs = rows(run)
     for key in ("loss", "grad/total"):  # one training line and one monitor line per step, not one per rank
         assert [r["step"] for r in rs if key in r] == list(range(1, N2 + 1)), key
@@ -123,7 +188,7 @@ def test_only_rank0_writes(ddp):
     expected = ck | {"checkpoints/latest", "config.yaml", "metrics.jsonl", "curves.png", "samples/step-0000004.png",
                      "phema/phema-000000002-0.100.safetensors", "phema/phema-000000004-0.100.safetensors"}
     assert files == expected
-    assert proc.stdout.count("done:") == 1 and proc.stdout.count("FLOP/step") == 1  # rank 0 prints
+    assert out.stdout.count("done:") == 1 and out.stdout.count("FLOP/step") == 1  # rank 0 prints
 
 
 def test_a_two_process_checkpoint_resumes_with_one_process(ddp, single, tmp_path):
@@ -143,13 +208,12 @@ def test_a_two_process_checkpoint_resumes_with_one_process(ddp, single, tmp_path
         torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-5)
 
 
-def test_global_batch_not_divisible_by_processes_is_a_one_line_error(tmp_path):
-    proc = torchrun(2, "-m", "steadydiff.cli", "train", "--out", str(tmp_path / "run"), "--quiet",
-                    *[a for s in TOY + ["train.batch_size=66"] for a in ("--set", s)], timeout=120)
-    assert proc.returncode != 0
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("steadydiff: error:")]
+def test_global_batch_not_divisible_by_processes_is_a_one_line_error(launch):
+    res = launch.result("b66")
+    assert all(code != 0 for code in res.codes)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("steadydiff: error:")]
     assert errors and all("train.batch_size=66 is the global batch" in ln and "multiple of 4" in ln for ln in errors)
-    assert not (tmp_path / "run").exists()
+    assert not (launch.base / "b66" / "run").exists()
 
 
 def test_global_batch_rule_and_rank_slices_as_pure_functions():
@@ -192,6 +256,7 @@ def _workers_of(run: Path) -> dict[int, int]:
     return mod.workers_of(run)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the worker processes")
 def test_a_killed_rank_restarts_under_torchrun_from_the_last_checkpoint(single, tmp_path):
     """SIGKILL rank 1 mid-run; torchrun --max-restarts=1 restarts both ranks, which resume from the last
@@ -233,22 +298,42 @@ def test_a_killed_rank_restarts_under_torchrun_from_the_last_checkpoint(single, 
         torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-5)
 
 
-def test_eval_under_torchrun_shares_the_chunks_and_matches_one_process(tmp_path):
+def test_eval_under_torchrun_shares_the_chunks_and_matches_one_process(launch):
     """`steadydiff eval` on 2 processes: each draws and featurises its chunks (3 chunks of 16: uneven shares),
     rank 0 gathers the classifier features and writes the one result. Same chunks, same kernels at one thread,
     so the metrics agree with one process to float32 round-off (1e-6 relative)."""
-    from steadydiff.cli import main
-
-    run = tmp_path / "run"
-    assert main(["train", "--config", "configs/demo.yaml", "--out", str(run), "--quiet", "--set", "train.steps=2",
-                 "--set", "data.max_items=64", "--set", "train.batch_size=4", "--set", "model.channels=8",
-                 "--set", "train.sample_n=4", "--set", "train.sample_steps=2", "--set", "train.threads=1"]) == 0
-    args = ["--metric", "fd_fmnist,kid", "--num-samples", "48", "--batch", "16", "--steps", "2", "--threads", "1"]
-    assert main(["eval", str(run), *args, "--out", str(tmp_path / "one.json")]) == 0
-    proc = torchrun(2, "-m", "steadydiff.cli", "eval", str(run), *args, "--out", str(tmp_path / "two.json"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("two.json") == 1  # rank 0 alone prints and writes
-    one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    res, ev = launch.result("eval"), launch.base / "eval"
+    assert res.codes == [0, 0], res.stderr[-3000:]
+    assert res.stdout.count("two.json") == 1  # rank 0 alone prints and writes
+    one, two = (json.loads((ev / f).read_text()) for f in ("one.json", "two.json"))
     assert one["processes"] == 1 and two["processes"] == 2
     assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-6)
-    assert {p.name for p in tmp_path.iterdir()} == {"run", "one.json", "two.json"}
+    assert {p.name for p in ev.iterdir()} == {"run", "one.json", "two.json"}
+
+
+def test_two_processes_on_a_store_match_one_process(launch):
+    """(From test_store.py.) torchrun --nproc_per_node=2 (gloo): each rank reads only its rows of the store
+    (flips drawn for the whole batch), and the run matches one process to float32 round-off of the split
+    gradient sum."""
+    res, st = launch.result("store"), launch.base / "store"
+    Trainer(load_config(None, UVIT + STORE_SETS + [f"data.root={st / 'st'}"]), st / "one", show_progress=False).fit()
+    assert res.codes == [0, 0], res.stderr[-2000:]
+    one, two = loss_list(st / "one"), loss_list(st / "two")
+    assert len(one) == 4 and two == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_DIFFUSERS, reason="diffusers is not installed (the latent store's VAE)")
+def test_two_processes_on_a_latent_store_match_one_process(launch):
+    """(From test_latent.py.) torchrun --nproc_per_node=2 (gloo): each rank draws its rows' latents from the
+    whole batch's noise."""
+    res, lat = launch.result("latent"), launch.base / "latent"
+    sets = LATENT_UNET + LATENT_SETS + [f"data.root={lat / 'lat'}"]
+    Trainer(load_config("configs/demo.yaml", sets), lat / "one", show_progress=False).fit()
+    assert res.codes == [0, 0], res.stderr[-2000:]
+
+    def losses(run):
+        rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r and r.get("loss") is not None]
+
+    one, two = losses(lat / "one"), losses(lat / "two")
+    assert len(one) == 3 and two == pytest.approx(one, rel=1e-5)

@@ -4,15 +4,13 @@ import json
 
 import pytest
 
+from helpers import toy
 from steadydiff.cli import main
 from steadydiff.config import ConfigError, load_config
 from steadydiff.train import Trainer
 
-TOY = [
-    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-    "train.batch_size=64", "train.lr=3e-3", "train.warmup_steps=5", "train.log_every=10", "train.threads=1",
-    "train.sample_n=64", "train.sample_steps=8", "train.ckpt_every=1000",
-]
+TOY = toy("data.toy_size=2000", "train.batch_size=64", "train.lr=3e-3", "train.warmup_steps=5", "train.log_every=10",
+          "train.sample_n=64", "train.sample_steps=8", "train.ckpt_every=1000")
 
 
 def test_periodic_eval_on_toy2d_improves_and_eval_cli_writes_json(tmp_path, capsys):
@@ -30,9 +28,8 @@ def test_periodic_eval_on_toy2d_improves_and_eval_cli_writes_json(tmp_path, caps
     assert record["metrics"]["sw"] == pytest.approx(evals[-1]["eval/sw"], rel=1e-9)
 
 
-def test_eval_bad_input(tmp_path, capsys):
-    run = tmp_path / "run"
-    Trainer(load_config(None, TOY + ["train.steps=2"]), run, show_progress=False).fit()
+def test_eval_bad_input(toy_run, capsys):
+    run = toy_run  # a trained toy run (2 steps)
     assert main(["eval", str(run), "--metric", "fid_typo", "--n", "8"]) == 2
     assert "choose one of fd_fmnist" in capsys.readouterr().err
     assert main(["eval", str(run), "--metric", "fd_fmnist", "--n", "8"]) == 2  # images metric on points

@@ -178,6 +178,7 @@ def test_overrides_layer_experiment_arm_seed_and_command_line(tmp_path):
     assert cfg.train.steps == 80 and cfg.train.lr == pytest.approx(3e-4)
 
 
+@pytest.mark.plots("plot_experiment")  # metric.png, stability.png
 def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     """Two arms x two seeds plus a third arm that diverges: trained, analysed, reported; re-running trains nothing."""
     path = _write_experiment(tmp_path, arms={

@@ -7,42 +7,22 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import LATENT_UNET, latent_stores
 from steadydiff.cli import main
 from steadydiff.config import load_config
-from steadydiff.data import build_store, open_store
+from steadydiff.data import open_store
 from steadydiff.data.sampler import get_batch
 
 diffusers = pytest.importorskip("diffusers")
 
-UNET = ["model.channels=8", "model.num_heads=1", "model.channel_mult=[1,2]", "model.num_res_blocks=1",
-        "model.attn_resolutions=[]", "train.batch_size=8", "train.sample_n=4", "train.sample_steps=2",
-        "train.threads=1", "train.ckpt_every=2", "diagnostics.grad_every=0", "data.hflip=false"]
-
-
-def _vae(path, latent_channels=4, seed=0):
-    torch.manual_seed(seed)
-    vae = diffusers.AutoencoderKL(in_channels=1, out_channels=1, block_out_channels=(8, 16),
-                                  latent_channels=latent_channels, down_block_types=("DownEncoderBlock2D",) * 2,
-                                  up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4, sample_size=28)
-    vae.save_pretrained(path)
-    return path
+UNET = LATENT_UNET
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     """A 40-image Fashion-MNIST store (with labels), a VAE folder, and the latent store it encodes to."""
-    r = tmp_path_factory.mktemp("latent")
     torch.set_num_threads(1)
-    build_store("fashion_mnist:test", r / "img", labels=True, shard_size=16, workers=0, progress=False)
-    # keep 40 images: rebuild from the first 40 as an .npz (a store of exactly that many rows)
-    src = open_store(r / "img")
-    imgs = ((src.items_range(0, 40) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()[:, 0]
-    np.savez(r / "small.npz", images=imgs, labels=src.labels[:40].numpy())
-    build_store(str(r / "small.npz"), r / "small", labels=True, shard_size=16, workers=0, progress=False)
-    _vae(r / "vae")
-    assert main(["dataset", "encode", str(r / "small"), "--vae", str(r / "vae"), "--out", str(r / "lat"),
-                 "--batch", "7", "--shard-size", "16", "--device", "cpu", "--quiet"]) == 0
-    return r
+    return latent_stores(tmp_path_factory.mktemp("latent"))
 
 
 def test_latent_store_rows_and_statistics_match_a_direct_encoding(stores):
@@ -82,31 +62,27 @@ def test_latent_batches_draw_fresh_latents_per_step_and_rank_slices_match(stores
         get_batch(lat, idx, True, torch.Generator().manual_seed(1))
 
 
-def test_encode_train_sample_eval_end_to_end_and_resume_is_exact(stores, tmp_path, capsys):
+@pytest.mark.plots("save_samples")  # the trainer's grid and `sample --out`
+def test_encode_train_sample_eval_end_to_end_and_resume_is_exact(stores, tmp_path, capsys, assert_resume_exact):
     from PIL import Image
-    from safetensors.torch import load_file
 
-    from steadydiff.train import Trainer
 
     cfg = UNET + ["data.name=store", f"data.root={stores / 'lat'}"]
-    Trainer(load_config("configs/demo.yaml", cfg + ["train.steps=4"]), tmp_path / "a", show_progress=False).fit()
-    Trainer(load_config("configs/demo.yaml", cfg + ["train.steps=2"]), tmp_path / "b", show_progress=False).fit()
-    Trainer(load_config("configs/demo.yaml", cfg + ["train.steps=4"]), tmp_path / "b", show_progress=False).fit()
-    wa, wb = (load_file(str(tmp_path / r / "checkpoints" / "step-0000004" / "model.safetensors")) for r in "ab")
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    grid = next((tmp_path / "a" / "samples").glob("*.png"))
+    # 4 steps (run a), and 2 then resumed to 4: the same step-4 weights, bit for bit
+    a = assert_resume_exact(cfg, 4, config="configs/demo.yaml", weights=0, ema=False).full
+    grid = next((a / "samples").glob("*.png"))
     png = tmp_path / "s.png"
-    assert main(["sample", str(tmp_path / "a"), "--n", "4", "--steps", "2", "--out", str(png)]) == 0
+    assert main(["sample", str(a), "--n", "4", "--steps", "2", "--out", str(png)]) == 0
     assert Image.open(png).size == Image.open(grid).size  # decoded 28x28 images, the trainer's grid layout
     w, h = Image.open(png).size
     assert w > 28 and h >= 28  # pixels, not 14x14 latents
     out = tmp_path / "eval.json"
-    assert main(["eval", str(tmp_path / "a"), "--metric", "fd_fmnist", "--n", "8", "--steps", "2",
+    assert main(["eval", str(a), "--metric", "fd_fmnist", "--n", "8", "--steps", "2",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["metrics"]["fd_fmnist"] > 0
     capsys.readouterr()
     # the store's VAE moved: --vae points at a copy; another VAE is refused
-    assert main(["sample", str(tmp_path / "a"), "--n", "2", "--steps", "1", "--out", str(png),
+    assert main(["sample", str(a), "--n", "2", "--steps", "1", "--out", str(png),
                  "--vae", str(stores / "vae")]) == 0
 
 
@@ -155,32 +131,3 @@ def test_a_killed_encode_continues_and_equals_a_clean_one(stores, tmp_path, monk
                         progress=False)
     clean = read_index(stores / "lat")
     assert meta["shards"] == clean["shards"] and meta["latent"]["channel_std"] == clean["latent"]["channel_std"]
-
-
-def test_two_processes_on_a_latent_store_match_one_process(stores, tmp_path):
-    """torchrun --nproc_per_node=2 (gloo): each rank draws its rows' latents from the whole batch's noise."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import steadydiff
-    from steadydiff.train import Trainer
-
-    sets = UNET + ["data.name=store", f"data.root={stores / 'lat'}", "train.steps=3", "train.sample_every=0",
-                   "train.ckpt_every=100", "train.log_every=1"]
-    Trainer(load_config("configs/demo.yaml", sets), tmp_path / "one", show_progress=False).fit()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(steadydiff.__file__).parents[1])}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "steadydiff.cli", "train", "--config", "configs/demo.yaml", "--out",
-                           str(tmp_path / "two"), "--quiet", *[a for s in sets for a in ("--set", s)]],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    def losses(run):
-        rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in rows if "loss" in r and r.get("loss") is not None]
-
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == 3 and two == pytest.approx(one, rel=1e-5)

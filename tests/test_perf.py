@@ -1,8 +1,8 @@
 """Speed switches (same results within fp32 round-off), FLOP accounting, and the GPU check's CPU mode."""
 
+import importlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import toy
 from steadydiff.config import ConfigError, load_config
 from steadydiff.diffusion import VPSDE, build_formulation
 from steadydiff.nn import build_model
@@ -17,8 +18,7 @@ from steadydiff.train import Trainer, loop
 from steadydiff.train.flops import count_train_flops, measure_peak_flops
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = ["data.name=toy2d", "data.toy_size=512", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-       "train.batch_size=32", "train.threads=1", "train.warmup_steps=1", "train.lr=1e-2"]
+TOY = toy("data.toy_size=512", "train.warmup_steps=1", "train.lr=1e-2")
 # A tiny conv UNet on 64 Fashion-MNIST images (attention at 14x14 so SDPA is exercised too).
 IMG = ["data.max_items=64", "model.channels=8", "model.channel_mult=[1,2]", "model.num_res_blocks=1",
        "model.attn_resolutions=[14]", "model.num_heads=2", "train.batch_size=8", "train.threads=1",
@@ -199,28 +199,27 @@ def test_fit_logs_flops_once_and_mfu_on_every_log_line(tmp_path):
 # benchmarks/gpu_check.py in its CPU mode
 
 
-def test_gpu_check_runs_in_tiny_cpu_mode(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny",
-                           "--out", str(tmp_path / "gpu_check")], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_gpu_check_runs_in_tiny_cpu_mode(tmp_path, capsys):
+    gpu_check = _bench_module("gpu_check")
+    code = gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "gpu_check")])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["numerics"] and all(c["ok"] for c in res["numerics"])
     names = {r["config"] for r in res["timing"]}
     assert names == {"demo", "uvit-cifar10-s2", "edm2-img64-s"}
     for r in res["timing"]:
         assert r["images_per_s"] > 0 and r["flops_per_step"] > 0 and r["mfu"] > 0
-    assert "| config |" in proc.stdout
+    assert "| config |" in out
 
 
-def _gpu_check_module():
+def _bench_module(name: str):
+    """A script of benchmarks/ as a module (its `main(argv)` runs it in this process: no interpreter start)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import gpu_check
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return gpu_check
 
 
 @pytest.mark.parametrize("kind", ["conv", "linear"])
@@ -228,7 +227,7 @@ def test_op_breakdown_names_the_op_that_dominates(kind):
     """A step that is one large conv (or matmul) puts most of its time in that category; shares add up to 1."""
     from torch.profiler import ProfilerActivity, profile
 
-    op_breakdown = _gpu_check_module().op_breakdown
+    op_breakdown = _bench_module("gpu_check").op_breakdown
     torch.manual_seed(0)
     if kind == "conv":
         net, x, cat = nn.Conv2d(64, 64, 3, padding=1, bias=False), torch.randn(16, 64, 32, 32), "convolution"
@@ -243,13 +242,11 @@ def test_op_breakdown_names_the_op_that_dominates(kind):
     assert max(shares, key=shares.get) == cat
 
 
-def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speed_switches.py"), "--device", "cpu",
-                           "--tiny", "--rounds", "2", "--steps", "1", "--warmup", "1", "--configs", "demo",
-                           "--variants", "channels_last", "optimizer plain loop", "grad checkpointing",
-                           "--out", str(tmp_path / "ss")], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path, capsys):
+    code = _bench_module("speed_switches").main([
+        "--device", "cpu", "--tiny", "--rounds", "2", "--steps", "1", "--warmup", "1", "--configs", "demo",
+        "--variants", "channels_last", "optimizer plain loop", "grad checkpointing", "--out", str(tmp_path / "ss")])
+    assert code == 0, capsys.readouterr().err[-3000:]
     res = json.loads((tmp_path / "ss.json").read_text())
     rows = {r["variant"]: r for r in res["results"]}
     assert list(rows) == ["default", "channels_last", "optimizer plain loop", "grad checkpointing"]
@@ -258,15 +255,14 @@ def test_speed_switches_benchmark_runs_in_tiny_mode(tmp_path):
     assert "| demo | channels_last |" in (tmp_path / "ss.md").read_text()
 
 
-def test_gpu_evidence_runs_in_tiny_cpu_mode(tmp_path):
+@pytest.mark.slow
+def test_gpu_evidence_runs_in_tiny_cpu_mode(tmp_path, capsys):
     """benchmarks/gpu_evidence.py end to end at toy size on the CPU: the main test's compare with its claims,
-    the two paper-size stand-ins trained, and the diagnose report over them."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    the two paper-size stand-ins trained, and the diagnose report over them (as the script's own processes)."""
     out = tmp_path / "ev"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_evidence.py"), "--tiny", "--device", "cpu",
-                           "--lrs", "1e-3", "--minutes", "6", "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code = _bench_module("gpu_evidence").main(["--tiny", "--device", "cpu", "--lrs", "1e-3", "--minutes", "6",
+                                               "--out", str(out)])
+    assert code == 0, "".join(capsys.readouterr())
     summary = json.loads((out / "summary.json").read_text())
     assert {k: v["exit"] for k, v in summary["status"].items()} == {
         "main-lr0.001": 0, "uvit-s-org": 0, "uvit-s-cs": 0, "uvit-s-diagnose": 0}

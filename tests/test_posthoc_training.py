@@ -4,30 +4,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import toy
 from steadydiff.cli import main
 from steadydiff.config import load_config
 from steadydiff.train import Trainer
 
-TOY = [
-    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-    "train.batch_size=64", "train.lr=3e-3", "train.warmup_steps=5", "train.log_every=5", "train.threads=1",
-    "train.sample_n=64", "train.sample_steps=4", "train.ema_sigma_rels=[0.05,0.10,0.13,0.15]",
-    "train.phema_snapshot_every=4", "diffusion.kind=edm", "train.sample_sampler=euler",
-]
+TOY = toy("data.toy_size=2000", "train.batch_size=64", "train.lr=3e-3", "train.warmup_steps=5", "train.log_every=5",
+          "train.sample_n=64", "train.sample_steps=4", "train.ema_sigma_rels=[0.05,0.10,0.13,0.15]",
+          "train.phema_snapshot_every=4", "diffusion.kind=edm", "train.sample_sampler=euler")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_power_ema_resumes_exactly(tmp_path):
-    full = Trainer(load_config(None, TOY + ["train.steps=24", "train.ckpt_every=12"]), tmp_path / "a",
-                   show_progress=False)
-    full.fit()
-    Trainer(load_config(None, TOY + ["train.steps=12", "train.ckpt_every=12"]), tmp_path / "b",
-            show_progress=False).fit()
-    resumed = Trainer(load_config(None, TOY + ["train.steps=24", "train.ckpt_every=12"]), tmp_path / "b",
-                      show_progress=False)
-    resumed.fit()
+def test_power_ema_resumes_exactly(assert_resume_exact):
+    runs = assert_resume_exact(TOY + ["train.ckpt_every=12"], 24, split=12)  # compared below
+    full, resumed = runs.full_trainer, runs.resumed
     for sr in (0.05, 0.15):
         a, b = full.power_ema.averaged(sr), resumed.power_ema.averaged(sr)
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -57,15 +49,13 @@ def test_phema_reconstructs_a_held_out_ema_and_samples(tmp_path, capsys):
     assert main(["sample", str(rec_dir), "--n", "16", "--steps", "4", "--out", str(tmp_path / "s.png")]) == 0
 
 
-def test_phema_bad_input(tmp_path, capsys):
-    run = tmp_path / "run"
+def test_phema_bad_input(tmp_path, capsys, toy_run):
+    run = tmp_path / "snapshots"  # (tmp_path / "run" is the toy run's copy)
     Trainer(load_config(None, TOY + ["train.steps=8", "train.ckpt_every=8"]), run, show_progress=False).fit()
     assert main(["phema", str(run), "--sigma-rel", "0.5", "--out", str(tmp_path / "o")]) == 2
     assert "0.2887" in capsys.readouterr().err
     assert main(["phema", str(run), "--sigma-rel", "0.1", "--step", "5", "--out", str(tmp_path / "o")]) == 2
     assert "no snapshot at that step" in capsys.readouterr().err
-    plain = tmp_path / "plain"
-    Trainer(load_config(None, ["data.name=toy2d", "model.backbone=mlp_unet", "train.steps=2", "train.threads=1",
-                               "model.hidden=16", "model.depth=2"]), plain, show_progress=False).fit()
+    plain = toy_run  # a toy run trained without train.ema_sigma_rels
     assert main(["phema", str(plain), "--sigma-rel", "0.1", "--out", str(tmp_path / "o2")]) == 2
     assert "ema_sigma_rels" in capsys.readouterr().err

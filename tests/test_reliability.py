@@ -19,24 +19,15 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from helpers import toy, toy_cfg, toy_sets
 from steadydiff.cli import EXIT_NONFINITE, EXIT_USER_ERROR, main
-from steadydiff.config import load_config
 from steadydiff.runs import checkpoint as ckpt_mod
 from steadydiff.runs import latest_checkpoint, metrics_log, read_checkpoint
 from steadydiff.train import NonFiniteLossError, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-TOY = ["data.name=toy2d", "data.toy_size=500", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
-       "train.batch_size=32", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1", "train.sample_n=32",
-       "train.sample_steps=2", "train.threads=1"]
 
-
-def toy_cfg(*extra):
-    return load_config(None, TOY + list(extra))
-
-
-def cli_sets(*extra):
-    return [a for s in TOY + list(extra) for a in ("--set", s)]
+cli_sets = toy_sets  # the toy run's overrides as --set pairs
 
 
 def records(run):
@@ -76,6 +67,7 @@ def _soak_module():
     return mod
 
 
+@pytest.mark.slow
 def test_soak_sigkill_three_times_resumes_exactly(tmp_path):
     # Order chosen so each kill has work left to interrupt: a fresh start, a step <= 10, then the next
     # checkpoint write (at most step 15). Seed 9 draws a kill at 1.26 s, one at step 6, and one 0.047 s into
@@ -200,22 +192,20 @@ def test_nonfinite_skip_leaves_weights_ema_and_optimizer_untouched(tmp_path, cap
     assert re.search(rf"steadydiff: warning: (loss|gradient norm) is -?{kind} at step 5; skipped the update", err)
 
 
-def test_nonfinite_skip_count_survives_resume_and_resume_stays_exact(tmp_path):
+def test_nonfinite_skip_count_survives_resume_and_resume_stays_exact(assert_resume_exact):
     extra = ("train.ckpt_every=4", "train.nonfinite=skip", "debug.fault_steps=[1,6]", "debug.fault_where=grad")
-    Trainer(toy_cfg("train.steps=8", *extra), tmp_path / "full", show_progress=False).fit()
-    Trainer(toy_cfg("train.steps=4", *extra), tmp_path / "split", show_progress=False).fit()
-    resumed = Trainer(toy_cfg("train.steps=8", *extra), tmp_path / "split", show_progress=False)
-    assert resumed.skipped_steps == 1  # the step-1 skip, read back from the checkpoint
-    resumed.fit()
-    a = [r for r in records(tmp_path / "full") if "loss" in r]
-    b = [r for r in records(tmp_path / "split") if "loss" in r]
+
+    def skips_read_back(resumed):
+        assert resumed.skipped_steps == 1  # the step-1 skip, read back from the checkpoint
+
+    # The resumed run ends on the same weights and EMA, bit for bit.
+    runs = assert_resume_exact(toy(*extra), 8, weights=0, before_resume=skips_read_back)
+    a = [r for r in records(runs.full) if "loss" in r]
+    b = [r for r in records(runs.split) if "loss" in r]
     drop = {"images_per_sec", "mfu", "peak_flops"}  # timings
     assert [{k: v for k, v in r.items() if k not in drop} for r in a] == \
         [{k: v for k, v in r.items() if k not in drop} for r in b]
     assert b[-1]["skipped_steps"] == 2
-    ca = read_checkpoint(latest_checkpoint(tmp_path / "full" / "checkpoints"))
-    cb = read_checkpoint(latest_checkpoint(tmp_path / "split" / "checkpoints"))
-    assert all(torch.equal(ca.model[k], cb.model[k]) and torch.equal(ca.ema[k], cb.ema[k]) for k in ca.model)
 
 
 def test_nonfinite_too_many_consecutive_skips_stops(tmp_path):
@@ -258,10 +248,9 @@ def enospc(path=None):
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), None if path is None else str(path))
 
 
-def test_storage_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
-    run = tmp_path / "run"
+def test_storage_disk_full_during_checkpoint_keeps_the_previous_one(toy_run, capsys, monkeypatch):
+    run = toy_run  # the toy run trained to its step-2 checkpoint
     argv = ["train", "--out", str(run), "--quiet", *cli_sets("train.ckpt_every=2", "train.steps=4")]
-    assert main(argv[:-2] + cli_sets("train.steps=2")) == 0
     before = fingerprint(run / "checkpoints")
     real_save_file = ckpt_mod.save_file
     calls = []
@@ -347,9 +336,9 @@ def test_storage_disk_full_writing_metrics_is_one_line_and_resumable(tmp_path, c
     assert [r["step"] for r in records(run) if "loss" in r] == list(range(1, 7))
 
 
-def test_storage_disk_full_writing_a_png_keeps_the_old_file(tmp_path, capsys, monkeypatch):
-    run = tmp_path / "run"
-    assert main(["train", "--out", str(run), "--quiet", *cli_sets("train.steps=1")]) == 0
+@pytest.mark.plots("save_samples")  # the PNG write that hits the full disk
+def test_storage_disk_full_writing_a_png_keeps_the_old_file(toy_run, tmp_path, capsys, monkeypatch):
+    run = toy_run  # a trained toy run (2 steps)
     out = tmp_path / "samples.png"
     out.write_bytes(b"previous samples")
 
@@ -397,9 +386,8 @@ def _evil_file(path: Path, marker: Path, wrap=lambda p: p) -> Path:
     return path
 
 
-def test_safe_load_crafted_state_pt_is_refused_without_running_it(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(["train", "--out", str(run), "--quiet", *cli_sets("train.steps=2")]) == 0
+def test_safe_load_crafted_state_pt_is_refused_without_running_it(toy_run, tmp_path, capsys):
+    run = toy_run  # `train ... cli_sets("train.steps=2")`, trained once per session
     marker = tmp_path / "pwned"
     ck = latest_checkpoint(run / "checkpoints")
     _evil_file(ck / "state.pt", marker, wrap=lambda p: {"step": 2, "optimizer": p})

@@ -18,20 +18,12 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers import UVIT, rgb_tree
 from steadydiff.cli import main
 from steadydiff.config import DataConfig, load_config
 from steadydiff.data import DataError, build_store, load_dataset, open_store, read_index, verify_store
 from steadydiff.data import build as build_mod
 from steadydiff.train import Trainer
-
-
-def rgb_tree(root: Path, n_per_class: int = 5, size: tuple[int, int] = (12, 10)) -> None:
-    g = np.random.default_rng(0)
-    for c in ("ants", "bees"):
-        (root / c).mkdir(parents=True)
-        for i in range(n_per_class):
-            arr = g.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-            Image.fromarray(arr).save(root / c / f"{i:02d}.png")
 
 
 def arrays(n: int = 23, res: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -103,28 +95,19 @@ def test_fashion_mnist_store_equals_the_built_in_dataset(tmp_path, monkeypatch):
     assert st.class_names == mem.class_names and st.digest() != mem.digest()  # store digests hash its files
 
 
-UVIT = ["model.backbone=uvit", "model.patch_size=2", "model.embed_dim=16", "model.depth=2", "model.num_heads=2",
-        "train.steps=6", "train.batch_size=8", "train.log_every=1", "train.ckpt_every=3", "train.sample_every=0",
-        "train.threads=1", "train.warmup_steps=1", "data.resolution=8", "data.hflip=true"]
-
-
 def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_training_on_a_store_reproduces_training_in_memory_and_resumes_exactly(tmp_path):
+def test_training_on_a_store_reproduces_training_in_memory_and_resumes_exactly(tmp_path, assert_resume_exact):
     rgb_tree(tmp_path / "imgs", n_per_class=12)
     build_store(str(tmp_path / "imgs"), tmp_path / "st", resolution=8, shard_size=5, workers=0, progress=False)
     mem = load_config(None, UVIT + ["data.name=folder", f"data.root={tmp_path / 'imgs'}"])
-    st = load_config(None, UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}"])
     Trainer(mem, tmp_path / "mem", show_progress=False).fit()
-    Trainer(st, tmp_path / "store", show_progress=False).fit()
-    assert _losses(tmp_path / "mem") == _losses(tmp_path / "store") and len(_losses(tmp_path / "mem")) == 6
-    # Stopped at step 3 and resumed: the same trajectory.
-    half = load_config(None, UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}", "train.steps=3"])
-    Trainer(half, tmp_path / "split", show_progress=False).fit()
-    Trainer(st, tmp_path / "split", show_progress=False).fit()
-    assert _losses(tmp_path / "split") == _losses(tmp_path / "store")
+    # On the store: 6 steps in one go, and stopped at step 3 and resumed: the same trajectory (same losses).
+    runs = assert_resume_exact(UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}"], 6, split=3, losses=0)
+    assert _losses(tmp_path / "mem") == _losses(runs.full) and len(_losses(tmp_path / "mem")) == 6
+    assert _losses(runs.split) == _losses(runs.full)
 
 
 def test_a_killed_build_never_looks_complete_and_continues(tmp_path, monkeypatch):
@@ -384,26 +367,3 @@ def test_hugging_face_source_equals_the_same_images_as_a_folder(tmp_path, monkey
     a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
     assert torch.equal(floats(a), floats(b)) and torch.equal(a.labels, b.labels)
     assert a.class_names == b.class_names == ["ants", "bees"]
-
-
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
-def test_two_processes_on_a_store_match_one_process(tmp_path):
-    """torchrun --nproc_per_node=2 (gloo): each rank reads only its rows of the store (flips drawn for the
-    whole batch), and the run matches one process to float32 round-off of the split gradient sum."""
-    import os
-
-    import steadydiff
-
-    rgb_tree(tmp_path / "imgs", n_per_class=12)
-    build_store(str(tmp_path / "imgs"), tmp_path / "st", resolution=8, shard_size=5, workers=0, progress=False)
-    sets = UVIT + ["data.name=store", f"data.root={tmp_path / 'st'}", "train.steps=4"]
-    Trainer(load_config(None, sets), tmp_path / "one", show_progress=False).fit()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(steadydiff.__file__).parents[1])}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "steadydiff.cli", "train", "--out", str(tmp_path / "two"), "--quiet",
-                           *[a for s in sets for a in ("--set", s)]], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert len(one) == 4 and two == pytest.approx(one, rel=1e-5)

@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+import helpers
+from helpers import toy
 from steadydiff.config import load_config
 from steadydiff.data import load_dataset
 from steadydiff.diffusion import generate
@@ -14,11 +16,8 @@ from steadydiff.runs import checkpoint as ckpt_mod
 from steadydiff.runs import latest_checkpoint, read_checkpoint
 from steadydiff.train import NonFiniteLossError, Trainer
 
-TOY = [
-    "data.name=toy2d", "data.toy_size=4000", "model.backbone=mlp_unet", "model.hidden=64", "model.depth=6",
-    "train.batch_size=128", "train.lr=2e-3", "train.warmup_steps=20", "train.log_every=1",
-    "train.ckpt_every=1000", "train.sample_n=256", "train.sample_steps=10", "train.threads=1",
-]
+TOY = toy("data.toy_size=4000", "model.hidden=64", "model.depth=6", "train.batch_size=128", "train.warmup_steps=20",
+          "train.ckpt_every=1000", "train.sample_n=256", "train.sample_steps=10")
 
 
 def toy_cfg(*extra):
@@ -31,6 +30,7 @@ def losses(run_dir):
     return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
+@pytest.mark.plots  # curves.png and the samples
 @pytest.mark.slow
 def test_toy2d_training_lowers_loss_and_moves_samples_to_the_data(tmp_path):
     cfg = toy_cfg("train.steps=300", "model.skip_scaling=cs", "train.ema_decay=0.95")
@@ -50,26 +50,11 @@ def test_toy2d_training_lowers_loss_and_moves_samples_to_the_data(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "train.grad_accum=2", "model.skip_scaling=ls_ns"]])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, extra):
+def test_resume_reproduces_the_uninterrupted_run(assert_resume_exact, extra):
     n = 20
-    full = tmp_path / "full"
-    Trainer(toy_cfg(f"train.steps={n}", *extra), full, show_progress=False).fit()
-
-    split = tmp_path / "split"
-    Trainer(toy_cfg(f"train.steps={n // 2}", *extra), split, show_progress=False).fit()
-    resumed = Trainer(toy_cfg(f"train.steps={n}", *extra), split, show_progress=False)
-    assert resumed.step == n // 2
-    resumed.fit()
-
-    s_full, l_full = losses(full)
-    s_split, l_split = losses(split)
-    assert s_full == s_split == list(range(1, n + 1))
-    assert max(abs(a - b) for a, b in zip(l_full, l_split)) < 1e-6
-    a = read_checkpoint(latest_checkpoint(full / "checkpoints"))
-    b = read_checkpoint(latest_checkpoint(split / "checkpoints"))
-    for k in a.model:
-        torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-6)
-        torch.testing.assert_close(a.ema[k], b.ema[k], rtol=0, atol=1e-6)
+    runs = assert_resume_exact(TOY + extra, n, losses=1e-6, weights=1e-6)  # split at n // 2; model and EMA
+    s_full, _ = losses(runs.full)
+    assert s_full == list(range(1, n + 1))
 
 
 def test_resume_truncates_log_lines_written_after_the_checkpoint(tmp_path):
@@ -113,14 +98,13 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypat
     assert ck.step == 4
 
 
-def test_leftover_temp_dir_from_a_killed_write_is_ignored(tmp_path):
-    run = tmp_path / "run"
-    Trainer(toy_cfg("train.steps=2", "train.ckpt_every=2"), run, show_progress=False).fit()
+def test_leftover_temp_dir_from_a_killed_write_is_ignored(toy_run):
+    run = toy_run  # the toy run at step 2 (helpers.TOY_RUN)
     junk = run / "checkpoints" / ".tmp-step-0000004-99999"
     junk.mkdir()
     (junk / "model.safetensors").write_bytes(b"\x00" * 10)
     assert latest_checkpoint(run / "checkpoints").name == "step-0000002"
-    tr = Trainer(toy_cfg("train.steps=4", "train.ckpt_every=2"), run, show_progress=False)
+    tr = Trainer(helpers.toy_cfg("train.steps=4", "train.ckpt_every=2"), run, show_progress=False)
     assert tr.step == 2
     tr.fit()
     assert not junk.exists()  # cleaned up by the next successful write
@@ -138,10 +122,8 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
     assert all(torch.isfinite(v).all() for v in list(ck.model.values()) + list(ck.ema.values()))
 
 
-def test_checkpoint_state_loads_with_weights_only(tmp_path):
-    run = tmp_path / "run"
-    Trainer(toy_cfg("train.steps=2"), run, show_progress=False).fit()
-    path = latest_checkpoint(run / "checkpoints")
+def test_checkpoint_state_loads_with_weights_only(toy_run):
+    path = latest_checkpoint(toy_run / "checkpoints")  # the toy run at step 2
     state = torch.load(path / "state.pt", weights_only=True)
     assert state["step"] == 2 and "optimizer" in state
     assert sorted(os.listdir(path)) == ["ema.safetensors", "model.safetensors", "state.pt"]

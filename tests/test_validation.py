@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import toy
 from steadydiff.config import ConfigError, DiffusionConfig, load_config
 from steadydiff.data import ArrayDataset, load_dataset
 from steadydiff.data import fashion_mnist as fm
@@ -20,11 +21,7 @@ from steadydiff.nn import UNet, build_model
 from steadydiff.runs import latest_checkpoint, read_checkpoint
 from steadydiff.train import Trainer
 
-TOY = [
-    "data.name=toy2d", "data.toy_size=2000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=6",
-    "train.batch_size=64", "train.lr=2e-3", "train.warmup_steps=2", "train.log_every=1",
-    "train.ckpt_every=1000", "train.sample_n=16", "train.sample_steps=2", "train.threads=1",
-]
+TOY = toy("data.toy_size=2000", "model.depth=6", "train.batch_size=64", "train.ckpt_every=1000", "train.sample_n=16")
 SIZE, BINS = 96, 4
 # 96 examples in chunks of 40: the last chunk is a partial one.
 VAL = [f"diagnostics.val_size={SIZE}", f"diagnostics.val_bins={BINS}", "diagnostics.val_batch=40",
