@@ -39,6 +39,7 @@ def records(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "loss" in r}
 
 
+@pytest.mark.plots  # it checks the sample PNG
 def test_a_run_trained_before_the_refactor_resumes_onto_the_same_trajectory_and_samples(tmp_path, capsys,
                                                                                          monkeypatch):
     monkeypatch.setattr(config_mod, "_warned_moves", set())
