@@ -4,6 +4,10 @@ Every expected failure (bad config, missing data, unreadable checkpoint, NaN los
 `OSError`) ends with one line `steadydiff: error: ...` that names the fix, and a non-zero exit status; anything
 else is a bug and keeps its traceback. This module parses, prints and picks exit codes; the work is done by
 the layers below.
+
+Exit statuses: 0 done; 2 a user error (one line names the fix); 3 a non-finite loss stopped training (the last
+good checkpoint is kept); 75 a stop signal (SIGTERM, SIGINT, SIGUSR2: `train.stop_signals`) ended training at a
+step boundary with that step's checkpoint saved: re-run the same command to continue.
 """
 
 from __future__ import annotations
@@ -483,7 +487,7 @@ def _cmd_dataset(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .train import NonFiniteLossError
+    from .train import EXIT_PREEMPTED, NonFiniteLossError, TrainingInterrupted
 
     try:
         args = build_parser().parse_args(argv)
@@ -495,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"steadydiff: error: {_rank_tag()}{e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except TrainingInterrupted as e:  # a stop signal: not an error, and the run continues when re-run
+        print(f"steadydiff: {_rank_tag()}{e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except (SteadydiffError, OSError) as e:
         if os.environ.get("STEADYDIFF_DEBUG"):  # full traceback for bug reports
             raise

@@ -197,6 +197,9 @@ class TrainConfig:
     # (no weight, EMA or optimiser change; the step still counts), counted as skipped_steps in metrics.jsonl.
     nonfinite: str = registered("stop", resumable=True)  # train/nonfinite.py NONFINITE_POLICIES
     max_consecutive_skips: int = resumable(10)  # nonfinite=skip: stop when one more step in a row would skip
+    # Signals that end training at the next step boundary with a checkpoint of that step, exit status 75
+    # (train/preemption.py): what Slurm, submitit and Ctrl-C send. [] leaves the signals' default actions.
+    stop_signals: list[str] = resumable(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR2"])
 
     def check(self) -> None:
         _positive("train", steps=self.steps, batch_size=self.batch_size, grad_accum=self.grad_accum,
@@ -232,6 +235,12 @@ class TrainConfig:
                 raise ConfigError(f"{key}: must be >= 0, got {v}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"train.threads: must be >= 1 or null (torch's default), got {self.threads}")
+        import signal
+
+        bad = [n for n in self.stop_signals if not (n.startswith("SIG") and hasattr(signal.Signals, n))]
+        if bad:
+            raise ConfigError(f"train.stop_signals: {bad[0]!r} is not a signal of this system; use names like "
+                              "SIGTERM, SIGINT, SIGUSR2 (or [] to keep the default actions)")
         if self.max_consecutive_skips < 1:
             raise ConfigError(f"train.max_consecutive_skips: must be >= 1, got {self.max_consecutive_skips}")
         if self.phema_snapshot_every < 0:

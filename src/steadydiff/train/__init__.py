@@ -8,9 +8,10 @@ from .ema import EMA
 from .loop import StepResult, Trainer
 from .nonfinite import NonFiniteLossError
 from .phema import PowerEMA
+from .preemption import EXIT_PREEMPTED, TrainingInterrupted
 from .schedules import InverseSqrt, WarmupConstant, WarmupCosine, build_lr_schedule
 
 __all__ = [
-    "EMA", "InverseSqrt", "NonFiniteLossError", "PowerEMA", "StepResult", "Trainer", "WarmupConstant",
-    "WarmupCosine", "build_lr_schedule",
+    "EMA", "EXIT_PREEMPTED", "InverseSqrt", "NonFiniteLossError", "PowerEMA", "StepResult", "Trainer",
+    "TrainingInterrupted", "WarmupConstant", "WarmupCosine", "build_lr_schedule",
 ]

@@ -41,6 +41,7 @@ from .flops import flop_report
 from .momentum import build_momentum
 from .nonfinite import build_nonfinite_policy
 from .outputs import log_record, periodic_eval, sample_run, write_sample_grid
+from .preemption import StopSignals
 from .schedules import build_lr_schedule
 from .state import StepResult, TrainState, build_averagers
 from .step import TrainLoss, build_optimizer, wrap_loss_module
@@ -126,13 +127,8 @@ class Trainer:
         """What monitors and fixed-set builders see of this run."""
         return RunContext(self.cfg, self.dataset, self.diffusion, self.model, self.ema.model, self.device)
 
-    @property
-    def ckpt_dir(self) -> Path:
-        return runs.checkpoint_dir(self.run_dir)
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.nonfinite.skipped_steps
+    ckpt_dir = property(lambda self: runs.checkpoint_dir(self.run_dir))
+    skipped_steps = property(lambda self: self.nonfinite.skipped_steps)
 
     # ---------------------------------------------------------------------------------------------
     # one optimiser step
@@ -252,7 +248,8 @@ class Trainer:
                    dynamic_ncols=True)
         # Monitors only on rank 0: after DDP's all-reduce its gradients and weights are everyone's.
         self.monitors = build_monitors(self.cfg.diagnostics, self.context, self.run_dir) if main else []
-        with runs.MetricsLog(self.run_dir, enabled=main, tensorboard=self.cfg.diagnostics.tensorboard) as log:
+        with runs.MetricsLog(self.run_dir, enabled=main, tensorboard=self.cfg.diagnostics.tensorboard) as log, \
+                StopSignals(t.stop_signals) as stops:
             if fl["flops_per_step"] and self.step == 0:  # once per run: a resumed run keeps its record
                 log.write({"step": self.step, "flops_per_step": fl["flops_per_step"],
                            "peak_flops": fl["peak_flops"], "world_size": self.dist.world_size})
@@ -287,6 +284,10 @@ class Trainer:
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     log.write({"step": self.step, **self.evaluate()})
                     log.flush()
+                if self.step < t.steps and stops.requested(self.dist, self.device):  # train/preemption.py
+                    log.sync()
+                    self.save()  # every rank; the window of unlogged steps goes into it
+                    raise stops.interrupted(self.step)
         bar.close()
         self.batches.close()  # nothing more to read ahead
         if self._last_saved != self.step:  # decided from state every rank shares: save is collective
