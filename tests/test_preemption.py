@@ -102,3 +102,20 @@ def test_sigterm_to_the_train_command_exits_75_with_that_steps_checkpoint(tmp_pa
     step = int(line[0].split("at step ")[1].split(";")[0])
     assert read_checkpoint(latest_checkpoint(run / "checkpoints")).step == step >= 3
     assert max(s for s, _ in losses(run)) == step  # every finished step logged, none beyond
+
+
+@pytest.mark.parametrize("fp32, bf16, warned", [(100e9, 10e9, True), (100e9, 150e9, False)])
+def test_bf16_slower_than_fp32_is_one_warning_line_with_both_rates(tmp_path, capsys, monkeypatch, fp32, bf16, warned):
+    """Issue 30 item 4: the trainer measures both matmul rates when bf16 is asked for and says so when bf16 loses."""
+    from steadydiff.train import flops
+
+    monkeypatch.setattr(flops, "measure_peak_flops",
+                        lambda device, dtype=torch.float32, **kw: bf16 if dtype == torch.bfloat16 else fp32)
+    Trainer(toy_cfg("train.steps=1", "train.bf16=true"), tmp_path / "r", show_progress=False).flop_report()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "train.bf16" in ln]
+    if warned:
+        assert len(lines) == 1 and lines[0].startswith("steadydiff: warning: ")
+        assert "10 GFLOP/s against 100 GFLOP/s in fp32" in lines[0] and "~10.0x slower" in lines[0]
+        assert "set train.bf16=false" in lines[0]
+    else:
+        assert lines == []

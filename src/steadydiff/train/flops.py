@@ -17,6 +17,7 @@ number instead (e.g. 989e12 for an H100 SXM in bf16).
 from __future__ import annotations
 
 import copy
+import sys
 import time
 import warnings
 
@@ -104,13 +105,28 @@ def format_flops(x: float) -> str:
 
 
 
+def bf16_slowdown(device: torch.device | str) -> str | None:
+    """One line when bf16 matmuls are slower than fp32 ones on `device` (both measured now), else None.
+
+    bf16 autocast pays on GPUs and on CPUs with native bf16 (AVX-512 BF16, AMX); on a CPU without it (e.g. AMD
+    Zen 3, AVX2 only) PyTorch emulates the bf16 matmul and the demo UNet trained ~10x slower than in fp32
+    (7.1 vs 72.6 images/s, issue 30). The line gives both measured rates and the fix."""
+    fp32, bf16 = measure_peak_flops(device, torch.float32), measure_peak_flops(device, torch.bfloat16)
+    if bf16 >= fp32:
+        return None
+    return (f"train.bf16: on this {torch.device(device).type} a bf16 matmul runs at {format_flops(bf16)}/s against "
+            f"{format_flops(fp32)}/s in fp32 (measured now), so bf16 autocast makes training ~{fp32 / bf16:.1f}x "
+            "slower here; set train.bf16=false (bf16 pays on GPUs and on CPUs with AVX-512 BF16 or AMX)")
+
+
 def flop_report(model: nn.Module, formulation, cfg, sample_shape: tuple[int, ...], dist_info,
                 device: torch.device) -> dict[str, float]:
     """{"flops_per_step": training FLOPs of one step at the global batch (0 when the model cannot be counted;
     counted on rank 0 only), "peak_flops": peak FLOP/s of all processes together}.
 
     The peak is train.peak_flops x processes, or else each rank's measured matmul rate summed over ranks
-    (measured concurrently, so processes sharing one CPU share its peak). Collective under DDP.
+    (measured concurrently, so processes sharing one CPU share its peak). Collective under DDP. With
+    train.bf16 on a device where bf16 is slower than fp32, rank 0 prints one warning line (`bf16_slowdown`).
     """
     from ..utils.distributed import all_reduce_sum
 
@@ -126,7 +142,11 @@ def flop_report(model: nn.Module, formulation, cfg, sample_shape: tuple[int, ...
     else:
         peak = all_reduce_sum(measure_peak_flops(device, torch.bfloat16 if t.bf16 else torch.float32), dist_info,
                               device)
+    if t.bf16 and dist_info.is_main:
+        slow = bf16_slowdown(device)
+        if slow:
+            print(f"steadydiff: warning: {slow}", file=sys.stderr, flush=True)
     return {"flops_per_step": float(flops), "peak_flops": float(peak)}
 
 
-__all__ = ["count_train_flops", "flop_report", "format_flops", "measure_peak_flops"]
+__all__ = ["bf16_slowdown", "count_train_flops", "flop_report", "format_flops", "measure_peak_flops"]
