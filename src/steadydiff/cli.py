@@ -1,4 +1,4 @@
-"""`steadydiff` command line: train | sample | eval | convert | diagnose | phema | compare | lr-range | dataset.
+"""steadydiff command line: train | sample | eval | convert | export | diagnose | phema | compare | lr-range | dataset.
 
 Every expected failure (bad config, missing data, unreadable checkpoint, NaN loss: a `SteadydiffError`, or an
 `OSError`) ends with one line `steadydiff: error: ...` that names the fix, and a non-zero exit status; anything
@@ -225,6 +225,27 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .runs.export import export_run
+    from .runs.hub import push_to_hub, require_hub
+
+    if args.samples < 0:
+        raise ConfigError(f"--samples must be >= 0 (0: no sample grid), got {args.samples}")
+    if args.private and not args.push_to_hub:
+        raise ConfigError("--private applies to --push-to-hub REPO_ID; add it or drop --private")
+    if args.push_to_hub:
+        require_hub()  # before anything is written
+    done = export_run(args.run, args.out, args.format, raw=args.raw, samples=args.samples, license=args.license,
+                      repo_id=args.push_to_hub)
+    how = ("load it with DDPMPipeline.from_pretrained" if done.fmt == "diffusers"
+           else "sample it with `steadydiff sample`")
+    print(f"exported {args.run} (step {done.step}, {done.weights} weights) as {done.fmt} to {done.path}; {how}")
+    if args.push_to_hub:
+        url = push_to_hub(done.path, args.push_to_hub, private=args.private)
+        print(f"uploaded {done.path} to {url}")
+    return 0
+
+
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .diagnostics.report import diagnose_at_init, diagnose_runs
     from .runs import read_config
@@ -326,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .diffusion import sampler_help, sampler_names
     from .experiments.claims import CLAIM_KINDS
     from .metrics import METRICS
+    from .runs.export import FORMATS as EXPORT_FORMATS
 
     p = _Parser(prog="steadydiff", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -385,6 +407,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kappa", type=float, default=0.5)
     c.add_argument("--no-ema", action="store_true", help="to-uvit-official: export raw instead of EMA weights")
     c.set_defaults(func=_cmd_convert)
+
+    x = sub.add_parser("export", help="export a run as a diffusers DDPMPipeline or a steadydiff model folder, with "
+                       "a model card; optionally upload it to the Hugging Face Hub")
+    x.add_argument("run", help="run directory (its latest checkpoint), a checkpoint directory, or a model folder")
+    x.add_argument("--format", choices=EXPORT_FORMATS, default="diffusers",
+                   help="diffusers: a DDPMPipeline folder, exact or refused (VP runs of the unet backbone with "
+                   "model.norm_groups set and skip_scaling org); steadydiff: the self-describing model folder, any "
+                   "run (default: diffusers)")
+    x.add_argument("--out", required=True, help="folder to create (new or empty)")
+    x.add_argument("--raw", action="store_true", help="export the raw weights instead of the EMA")
+    x.add_argument("--samples", type=int, default=16, metavar="N",
+                   help="samples in the model card's grid (0: none; default 16)")
+    x.add_argument("--license", default="other", help="the model card's license (a Hub license id; default other)")
+    x.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the folder to this Hub model repo (needs "
+                   'huggingface_hub: pip install "steadydiff[hub]")')
+    x.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    x.set_defaults(func=_cmd_export)
 
     d = sub.add_parser("diagnose", help="stability statistics and plots of runs, or init-time checks")
     d.add_argument("runs", nargs="*", help="run directories to compare (overlaid in the plots)")

@@ -78,6 +78,9 @@ class ModelConfig:
     num_res_blocks: int = 2  # unet, edm2 (EDM2's num_blocks): blocks per level
     attn_resolutions: list[int] = field(default_factory=lambda: [7])
     num_heads: int = 4  # unet, uvit
+    # unet: one GroupNorm group count for every norm (diffusers' `norm_num_groups`, so the run exports to
+    # UNet2DModel exactly); null: the per-layer rule gcd(32, channels // 4) of earlier runs (unchanged weights).
+    norm_groups: int | None = None
     channels_per_head: int = 64  # edm2: attention heads = channels // channels_per_head
     dropout: float = 0.0
     num_classes: int = 0  # > 0: class-conditional (label embedding added to the time embedding)
@@ -112,6 +115,8 @@ class ModelConfig:
                               "(and data with labels)")
         if not self.channel_mult:
             raise ConfigError("model.channel_mult: must list at least one level, e.g. [1, 2, 2]")
+        if self.norm_groups is not None and self.norm_groups < 1:
+            raise ConfigError(f"model.norm_groups: must be >= 1 or null (the per-layer rule), got {self.norm_groups}")
 
 
 @dataclass

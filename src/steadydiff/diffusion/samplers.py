@@ -33,7 +33,7 @@ from ..utils.rng import draw_normal
 if TYPE_CHECKING:  # annotations only: vp.py builds on this module
     from .vp import VPSDE
 
-__all__ = ["EpsFn", "SAMPLERS", "sample", "sample_ddim", "sample_dpmpp2m", "sample_em", "time_grid"]
+__all__ = ["EpsFn", "SAMPLERS", "ddim_on_grid", "sample", "sample_ddim", "sample_dpmpp2m", "sample_em", "time_grid"]
 
 EpsFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -118,10 +118,17 @@ def sample_ddim(
     This is the first-order exponential integrator of the probability-flow ODE (Lu et al. 2022, DPM-Solver-1).
     Returns x0_hat at t_end. Deterministic: `generator` is not used.
     """
-    ts = time_grid(sde, steps, "uniform").tolist()
+    return ddim_on_grid(eps_fn, sde, x_T, time_grid(sde, steps, "uniform").tolist())
+
+
+def ddim_on_grid(eps_fn: EpsFn, sde: VPSDE, x_T: Tensor, ts: list[float]) -> Tensor:
+    """The DDIM (eta = 0) steps of `sample_ddim` along the given decreasing times `ts`, then x0_hat at ts[-1]:
+    len(ts) network evaluations. `sample_ddim` runs it on its uniform grid; given the times of another
+    implementation's grid (diffusers' DDIMScheduler, whose last step lands on alpha = 1, i.e. returns x0_hat at
+    its last timestep) it reproduces that sampler step for step."""
     with torch.no_grad():
         x = x_T.clone()
-        for i in range(steps):
+        for i in range(len(ts) - 1):
             t, s = ts[i], ts[i + 1]
             alpha_t, sigma_t = _coeffs(sde, t)
             alpha_s, sigma_s = _coeffs(sde, s)

@@ -117,6 +117,20 @@ class VPSDE:
         t = 2.0 * c / (self.beta_min + torch.sqrt(self.beta_min**2 + 2.0 * d * c))
         return t.to(dt)
 
+    def discrete_schedule(self) -> tuple[Tensor, Tensor]:
+        """(betas, alphas_cumprod), float64, at the 1000 discrete times the network saw: DDPM timestep n = 0..999
+        is model time n = 999 t, i.e. t = n / 999, and alphas_cumprod[n] = alpha(n / 999)^2 exactly.
+
+        betas[n] = 1 - alphas_cumprod[n] / alphas_cumprod[n-1] (betas[0] = 1 - alphas_cumprod[0] = 0, as alpha(0)
+        = 1), so a DDPM-style scheduler's cumprod(1 - betas) gives the same alphas_cumprod back. Computed from
+        log alpha differences with expm1, so the small betas near n = 0 (~1e-4) keep their digits.
+        """
+        n = int(round(self.time_scale)) + 1
+        log_a = self._log_alpha(torch.arange(n, dtype=torch.float64) / self.time_scale)
+        prev = torch.cat([torch.zeros(1, dtype=torch.float64), log_a[:-1]])
+        betas = -torch.expm1(2.0 * (log_a - prev))
+        return betas, torch.exp(2.0 * log_a)
+
     # --- training -----------------------------------------------------------------------------------------
 
     def perturb(self, x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:

@@ -41,6 +41,7 @@ def _unet(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
         in_channels=c, resolution=h, channels=cfg.channels, channel_mult=cfg.channel_mult,
         num_res_blocks=cfg.num_res_blocks, attn_resolutions=cfg.attn_resolutions, num_heads=cfg.num_heads,
         dropout=cfg.dropout, num_classes=cfg.num_classes, grad_checkpointing=cfg.grad_checkpointing,
+        norm_groups=cfg.norm_groups,
     )
 
 
@@ -86,6 +87,9 @@ def build_model(cfg: ModelConfig, sample_shape: tuple[int, ...]) -> nn.Module:
     official ScaleLong code where `se` is created after the model's init pass).
     """
     model = BACKBONES.choose(cfg.backbone)(cfg, tuple(sample_shape))
+    if cfg.norm_groups is not None and not any(isinstance(m, nn.GroupNorm) for m in model.modules()):
+        raise ConfigError(f"model.norm_groups sets the GroupNorm groups of the unet backbone; model.backbone="
+                          f"{cfg.backbone} has no GroupNorm: remove model.norm_groups")
     gate = getattr(model, "skip_gate", ChannelGate)
     scaling = make_skip_scaling(cfg.skip_scaling, model.skip_channels, cfg.kappa, cfg.ls_reduction, gate)
     model.attach_skip_scaling(scaling)

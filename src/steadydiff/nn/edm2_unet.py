@@ -98,6 +98,9 @@ class EDM2UNet(LongSkips, nn.Module):
     """
 
     time_input = "c_noise"  # EDM's c_noise = ln(sigma) / 4 as is (its MP-Fourier embedding has bandwidth 1)
+    # why `steadydiff export --format diffusers` refuses it (nn/diffusers_export.py)
+    unet2d_refusal = ("the EDM2 UNet's magnitude-preserving layers (weight-normalised convolutions, MP-SiLU, MP-sum, "
+                      "MP-cat, MP-Fourier time embedding, no GroupNorm) have no counterpart in diffusers' UNet2DModel")
 
     def __init__(
         self,

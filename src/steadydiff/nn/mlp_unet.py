@@ -34,6 +34,8 @@ class MLPBlock(nn.Module):
 
 class MLPUNet(LongSkips, nn.Module):
     time_input = "vp_time"  # a sinusoidal embedding designed for VP's model time 999 t
+    # why `steadydiff export --format diffusers` refuses it (nn/diffusers_export.py)
+    unet2d_refusal = "the MLP U-Net models vectors, not images, and diffusers' UNet2DModel is a conv UNet"
 
     def __init__(
         self,

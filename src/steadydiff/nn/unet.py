@@ -12,6 +12,8 @@ by the last decoder block. `skip_scaling(i, skip)` is applied to each skip just 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -105,6 +107,7 @@ class UNet(LongSkips, nn.Module):
         num_classes: int = 0,
         skip_scaling: SkipScaling | None = None,
         grad_checkpointing: bool = False,
+        norm_groups: int | None = None,
     ):
         super().__init__()
         self.grad_checkpointing = grad_checkpointing  # recompute each stage in backward (memory for compute)
@@ -156,8 +159,28 @@ class UNet(LongSkips, nn.Module):
         assert not pending
 
         self.out = nn.Sequential(group_norm(ch), nn.SiLU(), zero_module(nn.Conv2d(ch, in_channels, 3, padding=1)))
+        if norm_groups is not None:
+            self._set_norm_groups(norm_groups)
         self.skip_channels = skip_ch  # outermost first
         self.attach_skip_scaling(skip_scaling)
+
+    def _set_norm_groups(self, groups: int) -> None:
+        """One group count for every GroupNorm (`model.norm_groups`, as diffusers' `norm_num_groups`). A GroupNorm's
+        parameters are per channel, so only `num_groups` changes: the layers are built by the per-layer rule first
+        and then regrouped, which keeps one construction path for both settings."""
+        norms = [m for m in self.modules() if isinstance(m, nn.GroupNorm)]
+        widths = sorted({m.num_channels for m in norms})
+        if any(w % groups for w in widths):
+            common = math.gcd(*widths)
+            valid = [g for g in range(1, common + 1) if common % g == 0]
+            raise ConfigError(f"model.norm_groups={groups} does not divide every normalised channel count "
+                              f"({', '.join(map(str, widths))}); choose one of {', '.join(map(str, valid))} or null")
+        for m in norms:
+            m.num_groups = groups
+
+    def norm_group_counts(self) -> list[int]:
+        """The group count of every GroupNorm, in module order."""
+        return [m.num_groups for m in self.modules() if isinstance(m, nn.GroupNorm)]
 
     def describe(self) -> dict[str, int | str]:
         return {"width": self.channels, "depth": f"{self.levels} levels x {self.num_res_blocks}"}

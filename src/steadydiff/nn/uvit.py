@@ -89,6 +89,8 @@ class PatchEmbed(nn.Module):
 class UViT(LongSkips, nn.Module):
     skip_gate = TokenGate  # LS in the official code gates tokens (mean over the embedding dim)
     time_input = "vp_time"  # a sinusoidal time token designed for VP's model time 999 t
+    # why `steadydiff export --format diffusers` refuses it (nn/diffusers_export.py)
+    unet2d_refusal = "U-ViT is a transformer over patch tokens, which diffusers' conv UNet2DModel cannot express"
 
     def __init__(
         self,

@@ -143,6 +143,19 @@ def _read_model_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     return weights, info
 
 
+def is_model_folder(path: str | Path) -> bool:
+    """An exported model folder (as opposed to a run directory or a checkpoint directory inside one)."""
+    return (Path(path) / MODEL_JSON).is_file()
+
+
+def source_config(path: str | Path) -> Config:
+    """The config of what `load_model(path)` would load, without reading any weights: a run directory's, the run
+    of a checkpoint directory inside one (RUN/checkpoints/step-N), or an exported model folder's."""
+    path = Path(path)
+    is_ckpt = not is_model_folder(path) and (path / MODEL_WEIGHTS).is_file()
+    return read_config(path.parent.parent if is_ckpt else path)
+
+
 def load_model(path: str | Path, use_ema: bool = True) -> LoadedModel:
     """Rebuild the model saved at `path`: a run directory (its latest checkpoint), a checkpoint directory
     inside one, or an exported model folder. `use_ema`: the EMA weights when the checkpoint has them."""
@@ -150,13 +163,11 @@ def load_model(path: str | Path, use_ema: bool = True) -> LoadedModel:
     from ..nn import build_model
 
     path = Path(path)
-    if (path / MODEL_JSON).is_file():
-        cfg = read_config(path)
+    cfg = source_config(path)
+    if is_model_folder(path):
         weights, info = _read_model_folder(path)
         shape, step, kind, src = tuple(info["sample_shape"]), int(info["step"]), str(info["weights"]), path
     else:
-        is_ckpt = (path / MODEL_WEIGHTS).is_file()  # RUN/checkpoints/step-N itself
-        cfg = read_config(path.parent.parent if is_ckpt else path)
         src = find_weights(path)  # the latest checkpoint of a run, or `path` itself when it is one
         ckpt = read_checkpoint(src)
         use = use_ema and ckpt.ema is not None

@@ -11,3 +11,7 @@ class SteadydiffError(Exception):
 
 class ConfigError(SteadydiffError, ValueError):
     """A setting (config key, CLI flag, environment variable) is invalid; the message names the fix."""
+
+
+class ExportError(SteadydiffError):
+    """A model cannot be exported in the asked format, or its upload failed; the message names why and what to use."""
