@@ -198,7 +198,7 @@ class TrainConfig:
     warmup_steps: int = 100
     lr_schedule: str = registered("constant")  # train/schedules.py LR_SCHEDULES
     lr_ref_steps: int = 35000  # inv_sqrt: t_ref, the step where the 1/sqrt decay starts (EDM2)
-    timesteps: str = registered("base")  # train/timesteps.py; base: uniform t (vp) / log-normal sigma (edm)
+    timesteps: str = registered("base")  # train/timesteps.py; base: the formulation's own draw of the level
     clts_mu: float = 0.3  # CLTS Gaussian centre on the normalised noise level (paper's best)
     clts_sigma: float = 0.2  # CLTS Gaussian width: not known from the paper, sweep it
     clts_steps: int | None = None  # CLTS curriculum length K_c (null: train.steps)
