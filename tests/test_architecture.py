@@ -195,6 +195,8 @@ def _choices(section: type, name: str) -> tuple:
     ("model.skip_scaling", "steadydiff.nn", "SKIP_SCALING_METHODS"),
     ("data.name", "steadydiff.data", "DATASET_NAMES"),
     ("data.toy", "steadydiff.data", "TOY_KINDS"),
+    ("diffusion.t_sampling", "steadydiff.diffusion.flow", "T_SAMPLINGS"),
+    ("diffusion.weighting", "steadydiff.diffusion.vp", "WEIGHTINGS"),
 ])
 def test_config_choices_equal_their_registry(field, module, registry):
     from steadydiff import config

@@ -1,7 +1,8 @@
 """Distributed data parallel: `torchrun --nproc_per_node=2` (gloo, CPU) on tiny runs.
 
 Every 2-process command of this file (the shared 4-step toy2d run with grad_accum 2, post-hoc EMA and periodic
-eval; a refused global batch; `steadydiff eval`; training on an image store and on a latent store) runs in one
+eval; a refused global batch; `steadydiff eval`; training on an image store and on a latent store; a flow
+matching run) runs in one
 torchrun launch (tests/torchrun_worker.py), once per module; the killed-rank test needs its own launch
 (--max-restarts). Single-process references run in this process. Tolerances: the 2-process run sums gradients
 in another order (per-shard, then DDP's average), so it matches the 1-process run to float32 round-off,
@@ -36,6 +37,10 @@ TOY = toy("data.toy_size=2000", "train.batch_size=64", "train.grad_accum=2", "tr
           "train.ema_sigma_rels=[0.1]", "train.eval_every=2", "train.eval_metrics=[sw]", "train.eval_n=64",
           "train.eval_batch=16")  # 4 eval chunks, shared out over the ranks
 N2, N1 = 4, 8  # steps of the 2-process run, and of the 1-process reference it is resumed towards
+# Flow matching (logit-normal times under CLTS, x0-prediction) on the same global batch and accumulation.
+FLOW_TOY = toy("data.toy_size=2000", "train.batch_size=64", "train.grad_accum=2", "train.steps=4",
+               "train.ckpt_every=4", "diffusion.kind=flow", "train.sample_sampler=heun",
+               "diffusion.t_sampling=logit_normal", "diffusion.prediction=x0", "train.timesteps=clts")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -107,6 +112,8 @@ def launch(tmp_path_factory):
         commands.append({"name": "latent", "argv": [
             "train", "--config", "configs/demo.yaml", "--out", str(lat / "two"), "--quiet",
             *sets_of(LATENT_UNET + LATENT_SETS + [f"data.root={lat / 'lat'}"])]})
+    # A flow matching run.
+    commands.append({"name": "flow", "argv": ["train", "--out", str(base / "flow2"), "--quiet", *sets_of(FLOW_TOY)]})
     plan = base / "plan.json"
     plan.write_text(json.dumps({"out": str(base / "results"), "commands": commands}))
     proc = torchrun(2, str(HERE / "torchrun_worker.py"), str(plan), timeout=600)
@@ -204,6 +211,21 @@ def test_a_two_process_checkpoint_resumes_with_one_process(ddp, single, tmp_path
     a = read_checkpoint(latest_checkpoint(run / "checkpoints"))
     b = read_checkpoint(latest_checkpoint(single / "checkpoints"))
     assert a.step == b.step == N1
+    for k in a.model:
+        torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-5)
+
+
+def test_a_flow_run_on_two_processes_matches_one_process(launch, tmp_path):
+    res = launch.result("flow")
+    assert res.codes == [0, 0], res.stderr[-3000:]
+    Trainer(load_config(None, FLOW_TOY), tmp_path / "one", show_progress=False).fit()
+    l2, l1 = losses(launch.base / "flow2"), losses(tmp_path / "one")
+    assert sorted(l2) == sorted(l1) == [1, 2, 3, 4]
+    for k in l2:
+        assert abs(l2[k] - l1[k]) <= 1e-5 * abs(l1[k]), (k, l2[k], l1[k])
+    a = read_checkpoint(latest_checkpoint(launch.base / "flow2" / "checkpoints"))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "one" / "checkpoints"))
+    assert a.step == b.step == 4 and a.state["world_size"] == 2
     for k in a.model:
         torch.testing.assert_close(a.model[k], b.model[k], rtol=0, atol=1e-5)
 

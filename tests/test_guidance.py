@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from steadydiff.config import load_config
-from steadydiff.diffusion import VPSDE, EDMFormulation, Guided
+from steadydiff.diffusion import VPSDE, EDMFormulation, FlowFormulation, Guided
 from steadydiff.nn import NULL_LABEL
 
 
@@ -153,12 +153,12 @@ def test_guided_output_is_its_formula_and_w1_w0_and_self_guidance_are_exact():
 
 
 @pytest.mark.parametrize("kind,sampler", [("vp", "em"), ("vp", "ddim"), ("vp", "dpmpp2m"), ("edm", "heun"),
-                                          ("edm", "euler")])
+                                          ("edm", "euler"), ("flow", "euler"), ("flow", "heun"), ("flow", "em")])
 def test_every_sampler_w1_is_conditional_w0_unconditional_and_self_autoguidance_unguided(kind, sampler, one_thread):
     from steadydiff.diffusion import generate
 
     net, shape = _tiny("unet")
-    form = VPSDE() if kind == "vp" else EDMFormulation()
+    form = {"vp": VPSDE, "edm": EDMFormulation, "flow": FlowFormulation}[kind]()
     model = form.wrap(net)
 
     class Null(nn.Module):  # the model with every label replaced by the null label

@@ -86,14 +86,15 @@ def test_encode_train_sample_eval_end_to_end_and_resume_is_exact(stores, tmp_pat
                  "--vae", str(stores / "vae")]) == 0
 
 
-@pytest.mark.parametrize("backbone,kind", [("unet", "vp"), ("uvit", "vp"), ("edm2", "edm"), ("unet", "edm")])
+@pytest.mark.parametrize("backbone,kind", [("unet", "vp"), ("uvit", "vp"), ("edm2", "edm"), ("unet", "edm"),
+                                          ("unet", "flow")])
 def test_every_backbone_and_formulation_trains_on_4_channel_latents_and_decodes(stores, tmp_path, backbone, kind):
     from steadydiff.train import Trainer
 
     sets = UNET + ["data.name=store", f"data.root={stores / 'lat'}", f"model.backbone={backbone}",
                    f"diffusion.kind={kind}", "train.steps=1", "model.depth=4", "model.embed_dim=16",
                    "model.channels_per_head=8", "model.num_classes=10", "model.label_dropout=0.1",
-                   f"train.sample_sampler={'heun' if kind == 'edm' else 'ddim'}"]
+                   f"train.sample_sampler={ {'vp': 'ddim', 'edm': 'heun', 'flow': 'heun'}[kind]}"]
     tr = Trainer(load_config("configs/demo.yaml", sets), tmp_path / "r", show_progress=False)
     tr.fit()
     assert tr.dataset.sample_shape == (4, 14, 14)

@@ -17,8 +17,9 @@ from steadydiff.utils.registry import Registry, registries_for, registry_keys
 
 load_registries()
 
-from steadydiff.diffusion import FORMULATIONS, VPSDE, EDMFormulation, check_sampler, generate  # noqa: E402
+from steadydiff.diffusion import FORMULATIONS, VPSDE, EDMFormulation, FlowFormulation, check_sampler, generate  # noqa: E402
 from steadydiff.diffusion import edm as edm_module  # noqa: E402
+from steadydiff.diffusion import flow as flow_module  # noqa: E402
 from steadydiff.diffusion import samplers as vp_module  # noqa: E402
 from steadydiff.experiments.claims import CLAIM_KINDS  # noqa: E402
 from steadydiff.experiments.regime import regime, tied_horizons  # noqa: E402
@@ -103,8 +104,8 @@ def test_a_sampler_of_another_formulation_names_that_formulations_samplers():
 @pytest.mark.parametrize("command", ["sample", "eval"])
 def test_sampler_choices_and_help_are_the_formulations_tables(command):
     action = _option(_subparser(command), "--sampler")
-    union = [s for f in FORMULATIONS.values() for s in f.samplers]
-    assert list(action.choices) == union == ["em", "ddim", "dpmpp2m", "heun", "euler"]
+    union = [s for f in FORMULATIONS.values() for s in f.samplers]  # flow reuses the names euler, heun and em
+    assert list(action.choices) == list(dict.fromkeys(union)) == ["em", "ddim", "dpmpp2m", "heun", "euler"]
     for kind, formulation in FORMULATIONS.items():
         assert f"{kind}: {' | '.join(formulation.samplers)}" in action.help
 
@@ -167,7 +168,14 @@ def test_every_sampler_takes_its_formulations_one_signature():
         sigmas = edm.sigma_grid(3)
         a = fn(lambda x, s: 0.5 * x, x * 80, sigmas)
         assert torch.equal(a, fn(lambda x, s: 0.5 * x, x * 80, sigmas, None)), name
+    flow = FlowFormulation()
+    for name, fn in FlowFormulation.samplers.items():
+        ts = flow.time_grid(3)
+        a = fn(lambda x, t: x - 0.5, x, ts)
+        b = fn(lambda x, t: x - 0.5, x, ts, torch.Generator().manual_seed(1))
+        assert a.shape == x.shape and torch.isfinite(a).all() and (name == "em" or torch.equal(a, b)), name
     assert EDMFormulation.samplers is edm_module.SAMPLERS and VPSDE.samplers is vp_module.SAMPLERS
+    assert FlowFormulation.samplers is flow_module.SAMPLERS
 
 
 # ---------------------------------------------------------------------------------------------------------

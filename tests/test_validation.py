@@ -4,6 +4,7 @@ held-out set stored with the run, the base (u-free) EDM loss, config checks."""
 import dataclasses
 import gzip
 import json
+import math
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ VARIANTS = {
     "vp": [],
     "vp-dropout": ["model.dropout=0.1", "model.skip_scaling=ls_ns"],
     "edm": ["diffusion.kind=edm", "diffusion.sigma_data=1.0", "train.sample_sampler=heun"],
+    "flow": ["diffusion.kind=flow", "diffusion.t_sampling=logit_normal", "train.sample_sampler=euler"],
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,6 +95,11 @@ def test_logged_validation_loss_equals_a_direct_computation(pair):
                 alpha, sigma = formulation.alpha_sigma(s)
                 xt = alpha[:, None] * x0 + sigma[:, None] * noise
                 per = (model(xt, 999 * s, None) - noise).pow(2).mean(dim=1)
+                torch.testing.assert_close(per, formulation.base_loss(model, x0, None, s, noise))
+            elif cfg.diffusion.kind == "flow":  # the explicit velocity MSE at t(s), the logit-normal quantile
+                t = torch.sigmoid(math.sqrt(2) * torch.erfinv(2 * s.double() - 1)).float()
+                xt = (1 - t[:, None]) * x0 + t[:, None] * noise
+                per = (model(xt, t, None) - (noise - x0)).pow(2).mean(dim=1)
                 torch.testing.assert_close(per, formulation.base_loss(model, x0, None, s, noise))
             else:
                 per = formulation.base_loss(model, x0, None, s, noise)

@@ -125,7 +125,7 @@ class DiffusionConfig:
     # vp: continuous VP-SDE (U-ViT/ScaleLong)
     beta_min: float = 0.1
     beta_max: float = 20.0
-    t_eps: float = 1e-5  # vp: t ~ U(t_eps, 1); edm: the normalised level s ~ U(t_eps, 1 - t_eps)
+    t_eps: float = 1e-5  # vp: t ~ U(t_eps, 1); edm, flow: the normalised level s ~ U(t_eps, 1 - t_eps)
     # edm: EDM preconditioning and EDM2 loss (defaults: EDM2's ImageNet-64 RGB setting)
     sigma_data: float = 0.5
     p_mean: float = -0.8  # ln sigma ~ N(p_mean, p_std^2) in training
@@ -134,14 +134,58 @@ class DiffusionConfig:
     sigma_max: float = 80.0
     rho: float = 7.0
     learn_uncertainty: bool = True  # EDM2's learned u(sigma) loss weighting
+    # vp, flow: what the network predicts. null: the formulation's default (vp: eps; flow: velocity). vp: eps | v
+    # (v = alpha eps - sigma x0); flow: velocity | eps | x0 (velocity = eps - x0). edm: none (its preconditioner
+    # fixes the parameterisation). docs/guides/formulations.md states the conversions.
+    prediction: Literal["eps", "v", "velocity", "x0"] | None = None
+    # vp: the training loss weighting: none (the plain MSE of the prediction) or min_snr (Hang et al. 2023):
+    # per sample min(SNR, min_snr_gamma) / SNR (eps) or / (SNR + 1) (v). The validation loss stays the eps-MSE.
+    weighting: Literal["none", "min_snr"] = "none"
+    min_snr_gamma: float = 5.0
+    # flow: the training time draw, uniform t or logit-normal (SD3: logit t ~ N(t_mean, t_std^2), 0 and 1), then
+    # SD3's resolution shift t -> shift t / (1 + (shift - 1) t), which also shifts the sampling grid (1: none).
+    t_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    t_mean: float = 0.0
+    t_std: float = 1.0
+    shift: float = 1.0
 
     def check(self) -> None:
         if (self.sigma_data <= 0 or self.p_std <= 0 or not 0 < self.sigma_min < self.sigma_max
                 or self.rho <= 0):
             raise ConfigError("diffusion: need sigma_data > 0, p_std > 0, 0 < sigma_min < sigma_max and rho > 0")
-        if not 0 < self.t_eps < (0.5 if self.kind == "edm" else 1):  # EDM draws s ~ U(t_eps, 1 - t_eps)
-            raise ConfigError(f"diffusion.t_eps: must be in (0, {0.5 if self.kind == 'edm' else 1}) for "
-                              f"diffusion.kind={self.kind}, got {self.t_eps}")
+        top = 1 if self.kind == "vp" else 0.5  # edm and flow draw s ~ U(t_eps, 1 - t_eps)
+        if not 0 < self.t_eps < top:
+            raise ConfigError(f"diffusion.t_eps: must be in (0, {top}) for diffusion.kind={self.kind}, got "
+                              f"{self.t_eps}")
+        if self.min_snr_gamma <= 0:
+            raise ConfigError(f"diffusion.min_snr_gamma: must be > 0 (Hang et al. 2023 use 5), got "
+                              f"{self.min_snr_gamma}")
+        _positive("diffusion", t_std=self.t_std, shift=self.shift)
+        # Options of one formulation set under another are errors, not silently ignored.
+        for key, (kinds, default) in KIND_OPTIONS.items():
+            if getattr(self, key) != default and self.kind not in kinds:
+                raise ConfigError(f"diffusion.{key} applies to diffusion.kind={' or '.join(kinds)}; remove it, or set "
+                                  f"diffusion.kind={kinds[0]}")
+        choices = PREDICTIONS.get(self.kind, ())
+        if self.prediction is not None and self.prediction not in choices:
+            fix = (f"choose one of {', '.join(choices)}" if choices else
+                   "remove it (the EDM preconditioner fixes what the network predicts)")
+            raise ConfigError(f"diffusion.prediction={self.prediction} does not apply to diffusion.kind={self.kind}; "
+                              f"{fix}")
+        if self.t_sampling != "logit_normal" and (self.t_mean, self.t_std) != (0.0, 1.0):
+            raise ConfigError("diffusion.t_mean and diffusion.t_std apply to diffusion.t_sampling=logit_normal; set "
+                              "it, or remove them")
+        if self.weighting != "min_snr" and self.min_snr_gamma != 5.0:
+            raise ConfigError("diffusion.min_snr_gamma applies to diffusion.weighting=min_snr; set it, or remove "
+                              "min_snr_gamma")
+
+
+# The predictions each diffusion.kind offers (null: the first), and the options that apply to some kinds only:
+# key -> (the kinds it applies to, its default, which every other kind must keep).
+PREDICTIONS = {"vp": ("eps", "v"), "flow": ("velocity", "eps", "x0"), "edm": ()}
+KIND_OPTIONS = {"weighting": (("vp",), "none"), "min_snr_gamma": (("vp",), 5.0),
+                "t_sampling": (("flow",), "uniform"), "t_mean": (("flow",), 0.0), "t_std": (("flow",), 1.0),
+                "shift": (("flow",), 1.0)}
 
 
 # The supremum of a power-function EMA's relative width sigma_rel = sqrt((g+1) / ((g+2)^2 (g+3))) over
@@ -159,7 +203,7 @@ class TrainConfig:
     warmup_steps: int = 100
     lr_schedule: str = registered("constant")  # train/schedules.py LR_SCHEDULES
     lr_ref_steps: int = 35000  # inv_sqrt: t_ref, the step where the 1/sqrt decay starts (EDM2)
-    timesteps: str = registered("base")  # train/timesteps.py; base: uniform t (vp) / log-normal sigma (edm)
+    timesteps: str = registered("base")  # train/timesteps.py; base: the formulation's own draw of the level
     clts_mu: float = 0.3  # CLTS Gaussian centre on the normalised noise level (paper's best)
     clts_sigma: float = 0.2  # CLTS Gaussian width: not known from the paper, sweep it
     clts_steps: int | None = None  # CLTS curriculum length K_c (null: train.steps)
@@ -181,7 +225,7 @@ class TrainConfig:
     keep_ckpts: int = resumable(2)
     sample_every: int = resumable(0)  # 0: only at the end
     sample_n: int = resumable(64)
-    # One of diffusion.kind's samplers (each formulation's SAMPLERS: diffusion/samplers.py, diffusion/edm.py).
+    # One of diffusion.kind's samplers (each formulation's SAMPLERS: diffusion/samplers.py, edm.py, flow.py).
     sample_sampler: str = registered("dpmpp2m", resumable=True)
     sample_steps: int = resumable(30)
     sample_clip: bool = resumable(True)  # images: keep the denoised estimate in [-1, 1] while sampling

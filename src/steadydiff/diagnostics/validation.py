@@ -8,16 +8,18 @@ same examples) is drawn once from its own seed (`diagnostics.val_seed`), never f
   on `train`, `train` for one that trains on `test`), taken whole (`data.max_items` does not apply).
   `folder` data has no second split: its validation set is a fixed seeded subset of the *training* images,
   so it is NOT held out and its validation loss measures fit, not generalisation.
-- s: the normalised noise level in (0, 1) that both formulations take as `t` (VP: t itself; EDM: the
-  quantile of sigma under the training log-normal), stratified over K = `val_bins` equal bins: example j is
-  in bin k = j % K and has s ~ U[k/K, (k+1)/K), clipped into the formulation's range of levels ([t_eps, 1]
-  for VP, [t_eps, 1 - t_eps] for EDM).
+- s: the normalised noise level in (0, 1) that every formulation takes as `t` (VP: t itself; EDM: the
+  quantile of sigma under the training log-normal; flow: the quantile of its time t under its training
+  draw), stratified over K = `val_bins` equal bins: example j is in bin k = j % K and has s ~ U[k/K, (k+1)/K),
+  clipped into the formulation's range of levels ([t_eps, 1] for VP, [t_eps, 1 - t_eps] for EDM and flow).
 - noise ~ N(0, I) and, when the model is class-conditional (`model.num_classes > 0`), the dataset labels.
 
-The loss is the formulation's base weighting (`base_loss`): VP's eps-MSE, and for EDM
-lambda(sigma) mean((D(x0 + sigma n; sigma) - x0)^2) with lambda(sigma) = (sigma^2 + sd^2) / (sigma sd)^2
-(EDM2 Eq. 21 with u = 0). Neither a timestep sampler's weights (CLTS) nor the learned u(sigma) enter it, so
-runs that train with different weightings are measured with one yardstick. Its mean over the bins' examples
+The loss is the formulation's base weighting (`base_loss`): VP's eps-MSE (whatever its prediction and
+weighting), for EDM lambda(sigma) mean((D(x0 + sigma n; sigma) - x0)^2) with lambda(sigma) = (sigma^2 +
+sd^2) / (sigma sd)^2 (EDM2 Eq. 21 with u = 0), and flow's velocity MSE (whatever its prediction). Neither a
+timestep sampler's weights (CLTS) nor min-SNR weights nor the learned u(sigma) enter it, so runs that train
+with different weightings are measured with one yardstick; the three formulations' yardsticks differ, so
+validation losses compare runs of one formulation only. Its mean over the bins' examples
 is a stratified estimate of E_s[L_base(s)] over s ~ U(0, 1), i.e. of the base training loss under the base
 noise-level distribution.
 
@@ -59,10 +61,10 @@ def validation_source(cfg, train_dataset: ArrayDataset) -> tuple[ArrayDataset, b
 
 
 def level_range(formulation) -> tuple[float, float]:
-    """The closed range the formulation's normalised noise levels lie in: [t_eps, 1] (VP), [t_eps, 1 - t_eps]
-    (EDM, where Phi^{-1}(s) must stay finite)."""
-    t_eps = float(getattr(formulation, "t_eps", 0.0))
-    return t_eps, (1.0 - t_eps if formulation.kind == "edm" else 1.0)
+    """The closed range the formulation's normalised noise levels lie in, as it states it (`level_range()`):
+    [t_eps, 1] (VP), [t_eps, 1 - t_eps] (EDM, where Phi^{-1}(s) must stay finite; flow)."""
+    lo, hi = formulation.level_range()
+    return float(lo), float(hi)
 
 
 def stratified_levels(bins: Tensor, u: Tensor, num_bins: int, lo: float, hi: float) -> Tensor:

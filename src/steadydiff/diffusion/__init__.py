@@ -1,5 +1,5 @@
-"""Diffusion formulations (the continuous VP-SDE of U-ViT/ScaleLong, and EDM/EDM2), their samplers, and
-`generate`: drawing samples from a trained model.
+"""Diffusion formulations (the continuous VP-SDE of U-ViT/ScaleLong, EDM/EDM2, and flow matching), their
+samplers, and `generate`: drawing samples from a trained model.
 
 A formulation owns the loss, the noise levels, the preconditioning wrapper (`wrap`) and its samplers
 (`samplers`: its SAMPLERS registry; `generate`); the trainer and the CLI reach samplers only through it.
@@ -8,6 +8,7 @@ A formulation owns the loss, the noise levels, the preconditioning wrapper (`wra
 from ..utils.registry import Registry
 from ..utils.rng import draw_normal, draw_uniform
 from .edm import EDMFormulation, EDMPrecond, sample_euler, sample_heun
+from .flow import FlowFormulation, FlowModel
 from .generate import generate, generate_chunks, merge_chunks, sample_labels
 from .guidance import Guided, check_guidance, guided, parse_guidance_interval, parse_guidance_weights
 from .samplers import (
@@ -26,6 +27,7 @@ from .vp import VPSDE
 FORMULATIONS = Registry("formulation", key="diffusion.kind")
 FORMULATIONS.add("vp", VPSDE)
 FORMULATIONS.add("edm", EDMFormulation)
+FORMULATIONS.add("flow", FlowFormulation)
 
 
 def build_formulation(cfg):
@@ -46,7 +48,8 @@ def sampler_names() -> tuple[str, ...]:
 
 
 def sampler_help() -> str:
-    """`vp: em | ddim | dpmpp2m; edm: heun | euler`: each formulation's samplers (the CLI's --sampler help)."""
+    """`vp: em | ddim | dpmpp2m; edm: heun | euler; ...`: each formulation's samplers (the CLI's --sampler
+    help)."""
     return "; ".join(f"{kind}: {' | '.join(f.samplers)}" for kind, f in FORMULATIONS.items())
 
 
@@ -54,6 +57,8 @@ __all__ = [
     "EDMFormulation",
     "EDMPrecond",
     "FORMULATIONS",
+    "FlowFormulation",
+    "FlowModel",
     "Guided",
     "SAMPLERS",
     "VPSDE",

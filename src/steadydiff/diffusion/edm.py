@@ -153,6 +153,10 @@ class EDMFormulation:
         return cls(cfg.sigma_data, cfg.p_mean, cfg.p_std, cfg.sigma_min, cfg.sigma_max, cfg.rho,
                    cfg.learn_uncertainty, cfg.t_eps)
 
+    def level_range(self) -> tuple[float, float]:
+        """The closed range of the normalised level s: [t_eps, 1 - t_eps] (Phi^{-1}(s) must stay finite)."""
+        return self.t_eps, 1 - self.t_eps
+
     def sigma_of_input(self, sigma: Tensor) -> Tensor:
         """The sampler calls the denoiser with sigma itself (the level a guidance interval is given in)."""
         return torch.as_tensor(sigma)

@@ -13,6 +13,27 @@ eq. 29)
 
 This is the parameterisation U-ViT and ScaleLong train with: t ~ U(t_eps, 1), the network predicts the noise
 eps and sees the time as 999 t.
+
+`prediction: v` (Salimans & Ho 2022, "Progressive Distillation", Sec. 4 and App. D) trains the network on
+v = alpha eps - sigma x0 instead. With alpha^2 + sigma^2 = 1 the conversions at x_t = alpha x0 + sigma eps are
+
+    eps = sigma x_t + alpha v,    x0 = alpha x_t - sigma v,    v = (eps - sigma x_t) / alpha;
+
+`eps` converts the network output, so every sampler, the clipping and guidance (mixing with weights that sum
+to one commutes with this affine map) work unchanged. The v-MSE is the eps-MSE divided by alpha^2, i.e. the
+eps-MSE weighted by (SNR + 1) / SNR with SNR = alpha^2 / sigma^2.
+
+`weighting: min_snr` (Hang et al. 2023, "Efficient Diffusion Training via Min-SNR Weighting Strategy", arXiv
+2303.09556): the x0-space weight min(SNR, gamma) (gamma = `min_snr_gamma`, 5 in the paper), carried to the
+target the network is trained on. x0_hat - x0 = -(sigma / alpha)(eps_hat - eps) = -sigma (v_hat - v), so the
+x0-MSE is the eps-MSE / SNR and the v-MSE / (SNR + 1), and per sample the loss is
+
+    eps: min(SNR, gamma) / SNR       x eps-MSE,
+    v:   min(SNR, gamma) / (SNR + 1) x v-MSE,
+
+both equal to min(SNR, gamma) x x0-MSE: the paper's eps weight, and for v the weight of the authors' code
+(TiankaiHang/Min-SNR-Diffusion-Training, `compute_mse_loss_weight`, VELOCITY). The validation loss
+(`base_loss`) stays the plain eps-MSE whatever the prediction and the weighting: the fixed yardstick.
 """
 
 from __future__ import annotations
@@ -22,7 +43,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ..config import DiffusionConfig
+from ..config import PREDICTIONS, DiffusionConfig
 from ..utils.errors import ConfigError
 from ..utils.rng import draw_normal, draw_uniform
 from .samplers import SAMPLERS, clip_denoised
@@ -30,6 +51,13 @@ from .samplers import SAMPLERS, clip_denoised
 __all__ = ["VPSDE", "draw_normal", "draw_uniform"]
 
 Model = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+# diffusion.weighting (vp): the per-sample loss weights (None: the plain MSE), from SNR = alpha^2 / sigma^2 in
+# float64, gamma and the prediction (see the module docstring).
+WEIGHTINGS = {
+    "none": None,
+    "min_snr": lambda snr, gamma, prediction: torch.clamp(snr, max=gamma) / (snr + 1 if prediction == "v" else snr),
+}
 
 
 def _wide(t: Tensor) -> tuple[Tensor, torch.dtype]:
@@ -57,7 +85,8 @@ class VPSDE:
     samplers = SAMPLERS
     ode_sampler = "ddim"  # deterministic and first order: what consistency checks sample with
 
-    def __init__(self, beta_min: float = 0.1, beta_max: float = 20.0, t_eps: float = 1e-5):
+    def __init__(self, beta_min: float = 0.1, beta_max: float = 20.0, t_eps: float = 1e-5, prediction: str = "eps",
+                 weighting: str = "none", min_snr_gamma: float = 5.0):
         if beta_min < 0 or beta_max < beta_min:
             raise ConfigError(f"diffusion: the VP-SDE needs 0 <= beta_min <= beta_max, got beta_min={beta_min}, "
                               f"beta_max={beta_max}")
@@ -65,18 +94,31 @@ class VPSDE:
             raise ConfigError(f"diffusion.beta_max: the VP-SDE needs beta_max > 0, got {beta_max}")
         if not 0 < t_eps < 1:
             raise ConfigError(f"diffusion.t_eps: must be in (0, 1), got {t_eps}")
+        if prediction not in PREDICTIONS["vp"] or weighting not in WEIGHTINGS or not min_snr_gamma > 0:
+            raise ConfigError(f"diffusion: the VP-SDE takes prediction {' | '.join(PREDICTIONS['vp'])}, weighting "
+                              f"{' | '.join(WEIGHTINGS)} and min_snr_gamma > 0, got {prediction}, {weighting}, "
+                              f"{min_snr_gamma}")
         self.beta_min = float(beta_min)
         self.beta_max = float(beta_max)
         self.t_eps = float(t_eps)
+        self.prediction, self.weighting, self.min_snr_gamma = prediction, weighting, float(min_snr_gamma)
 
     @classmethod
     def from_config(cls, cfg: DiffusionConfig) -> VPSDE:
         if cfg.kind != "vp":
             raise ValueError(f"VPSDE.from_config needs diffusion.kind=vp, got {cfg.kind!r}")
-        return cls(beta_min=cfg.beta_min, beta_max=cfg.beta_max, t_eps=cfg.t_eps)
+        return cls(beta_min=cfg.beta_min, beta_max=cfg.beta_max, t_eps=cfg.t_eps,
+                   prediction=cfg.prediction or PREDICTIONS["vp"][0], weighting=cfg.weighting,
+                   min_snr_gamma=cfg.min_snr_gamma)
 
     def __repr__(self) -> str:
-        return f"VPSDE(beta_min={self.beta_min}, beta_max={self.beta_max}, t_eps={self.t_eps})"
+        extra = "" if self.prediction == "eps" else f", prediction={self.prediction}"
+        extra += "" if self.weighting == "none" else f", weighting={self.weighting}, gamma={self.min_snr_gamma}"
+        return f"VPSDE(beta_min={self.beta_min}, beta_max={self.beta_max}, t_eps={self.t_eps}{extra})"
+
+    def level_range(self) -> tuple[float, float]:
+        """The closed range of the normalised level s = t: [t_eps, 1]."""
+        return self.t_eps, self.T
 
     # --- schedule -----------------------------------------------------------------------------------------
 
@@ -170,8 +212,29 @@ class VPSDE:
         return run(clip_denoised(eps_fn, self, 1.0) if clip else eps_fn, self, x_T, steps, generator)
 
     def eps(self, model: Model, x: Tensor, t: Tensor, labels: Tensor | None = None) -> Tensor:
-        """The network's noise prediction eps_hat(x, t) = model(x, 999 t, labels)."""
-        return model(x, self.model_time(t), labels)
+        """The noise prediction eps_hat(x, t) from the network's output model(x, 999 t, labels): that output
+        itself, or eps = sigma x + alpha v for `prediction: v`."""
+        out = model(x, self.model_time(t), labels)
+        if self.prediction == "eps":
+            return out
+        alpha, sigma = self.alpha_sigma(t)
+        return _per_sample(sigma, x) * x + _per_sample(alpha, out) * out
+
+    def _draws(self, x0: Tensor, t: Tensor | None, noise: Tensor | None,
+               generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+        """t and noise, each drawn from `generator` when missing: t first, then noise, both on x0.device."""
+        if t is None:
+            t = self.sample_t(x0.shape[0], generator, x0.device)
+            if x0.dtype == torch.float64:
+                t = t.to(torch.float64)
+        if noise is None:
+            noise = draw_normal(x0.shape, generator, x0.device, dtype=x0.dtype)
+        return t, noise
+
+    def snr(self, t: Tensor) -> Tensor:
+        """SNR(t) = alpha^2 / sigma^2 = exp(2 lambda(t)), in float64 (float32 on MPS)."""
+        tw, _ = _wide(t)
+        return torch.exp(2.0 * self.log_snr(tw))
 
     def loss(
         self,
@@ -183,18 +246,32 @@ class VPSDE:
         noise: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Per-sample denoising score-matching loss in eps form, shape (B,).
+        """Per-sample training loss, shape (B,): the MSE of the network's prediction over the non-batch dims,
+        times the weighting's per-sample weight.
 
-        mean over the non-batch dims of (eps_hat(alpha x0 + sigma noise, t) - noise)^2 (Ho et al. 2020,
-        eq. 14; Song et al. 2021, eq. 7 with the sigma^2 weighting). Missing t and noise are drawn from
-        `generator`, t first, then noise, both placed on x0.device.
+        eps-prediction, no weighting: mean of (eps_hat(alpha x0 + sigma noise, t) - noise)^2 (Ho et al. 2020,
+        eq. 14; Song et al. 2021, eq. 7 with the sigma^2 weighting). v-prediction: mean of (v_hat - (alpha noise
+        - sigma x0))^2 (Salimans & Ho 2022). min_snr: see the module docstring. Missing t and noise are drawn
+        from `generator`, t first, then noise, both placed on x0.device.
         """
-        if t is None:
-            t = self.sample_t(x0.shape[0], generator, x0.device)
-            if x0.dtype == torch.float64:
-                t = t.to(torch.float64)
-        if noise is None:
-            noise = draw_normal(x0.shape, generator, x0.device, dtype=x0.dtype)
+        t, noise = self._draws(x0, t, noise, generator)
+        if self.prediction == "eps" and self.weighting == "none":
+            return self._eps_mse(model, x0, labels, t, noise)
+        xt = self.perturb(x0, t, noise)
+        out = model(xt, self.model_time(t), labels)
+        if self.prediction == "eps":
+            target = noise
+        else:
+            alpha, sigma = self.alpha_sigma(t)
+            target = _per_sample(alpha, x0) * noise - _per_sample(sigma, x0) * x0
+        err = (out - target).to(torch.promote_types(out.dtype, torch.float32))
+        mse = err.square().reshape(x0.shape[0], -1).mean(dim=1)
+        weight = WEIGHTINGS[self.weighting]
+        if weight is None:
+            return mse
+        return mse * weight(self.snr(t), self.min_snr_gamma, self.prediction).to(device=mse.device, dtype=mse.dtype)
+
+    def _eps_mse(self, model: Model, x0: Tensor, labels: Tensor | None, t: Tensor, noise: Tensor) -> Tensor:
         xt = self.perturb(x0, t, noise)
         eps_hat = self.eps(model, xt, t, labels)
         err = (eps_hat - noise).to(torch.promote_types(eps_hat.dtype, torch.float32))
@@ -203,10 +280,12 @@ class VPSDE:
     def base_loss(self, model: Model, x0: Tensor, labels: Tensor | None, t: Tensor, noise: Tensor) -> Tensor:
         """Per-sample loss under the formulation's base weighting, shape (B,), at given t and noise.
 
-        For VP this is exactly `loss`: mean over the non-batch dims of (eps_hat(alpha x0 + sigma noise, t) -
-        noise)^2. It is what a validation loss measures: no timestep-sampler weights (CLTS) enter it.
+        For VP this is the plain eps-MSE, mean over the non-batch dims of (eps_hat(alpha x0 + sigma noise, t) -
+        noise)^2, with a v-prediction converted to eps_hat = sigma x_t + alpha v_hat first: `loss` itself for
+        eps-prediction without a weighting. It is what a validation loss measures: neither the min-SNR weights
+        nor a timestep sampler's weights (CLTS) enter it.
         """
-        return self.loss(model, x0, labels, t=t, noise=noise)
+        return self._eps_mse(model, x0, labels, t, noise)
 
     def prior(
         self,

@@ -84,9 +84,10 @@ class LongSkips:
 
     A backbone describes itself to the diagnostics (and to the EDM preconditioner) through
     `decoder_blocks()`: its skip-consuming decoder blocks, outermost first, block i consuming skip i; to
-    reports through `describe()`; and to the EDM preconditioner through `time_input`, the convention of its
-    noise-level input (`diffusion/edm.py` TIME_INPUT_SCALES): "vp_time" for an embedding designed for VP's
-    model time 999 t (sinusoidal), "c_noise" for EDM's c_noise = ln(sigma) / 4 itself. Adding a backbone
+    reports through `describe()`; and to the EDM preconditioner and flow's `FlowModel` through `time_input`, the
+    convention of its noise-level input (`diffusion/edm.py` TIME_INPUT_SCALES, `diffusion/flow.py` TIME_INPUTS):
+    "vp_time" for an embedding designed for VP's model time 999 t (sinusoidal), "c_noise" for EDM's
+    c_noise = ln(sigma) / 4 itself. Adding a backbone
     therefore never means editing the diagnostics, the formulations or the reports.
     """
 

@@ -52,8 +52,9 @@ class Trainer:
     """Train `cfg` into `run_dir`, resuming from its latest checkpoint when there is one.
 
     `model`: train your own backbone instead of `cfg.model` (any module called as `model(x, t, labels)`
-    that predicts the noise; see `steadydiff.nn.diffusers_compat.DiffusersUNetAdapter`). `steadydiff
-    sample` rebuilds models from `cfg.model`, so for such runs sample from Python with `generate`.
+    that predicts the formulation's target, e.g. the noise for VP; see
+    `steadydiff.nn.diffusers_compat.DiffusersUNetAdapter`). `steadydiff sample` rebuilds models from
+    `cfg.model`, so for such runs sample from Python with `generate`.
 
     Under torchrun (WORLD_SIZE > 1) the trainer joins the process group itself and trains with DDP;
     `self.model` stays the unwrapped module (monitors, EMA and checkpoints see plain parameter names).

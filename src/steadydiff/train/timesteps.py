@@ -1,8 +1,9 @@
 """Noise-level samplers: which normalised noise level s in (0, 1) each training example gets.
 
-Both formulations work in s (see diffusion/edm.py): for VP s = t, for EDM s is the quantile of sigma under
-the base log-normal. The formulation's own distribution is therefore uniform in s: `base` is uniform t for
-VP and log-normal sigma for EDM.
+Every formulation works in s (see diffusion/edm.py, diffusion/flow.py): for VP s = t, for EDM s is the
+quantile of sigma under the base log-normal, for flow the quantile of t under its training draw (uniform or
+logit-normal, shifted). The formulation's own distribution is therefore uniform in s: `base` is uniform t for
+VP, log-normal sigma for EDM and flow's `diffusion.t_sampling`.
 
 CLTS (Xu et al., arXiv 2404.07946; reconstruction in shared/papers/clts-mdlrc-notes.md §1.3):
     p_k(s) = (1 - lambda_k) base(s) + lambda_k G(s; mu, sigma),   lambda_k = min(1, k / K_c),
@@ -21,7 +22,8 @@ from ..utils.registry import Registry
 
 
 class BaseTimesteps:
-    """The formulation's own draw (`formulation.sample_t`): uniform t (VP), log-normal sigma (EDM)."""
+    """The formulation's own draw (`formulation.sample_t`): uniform t (VP), log-normal sigma (EDM), flow's
+    uniform or logit-normal t."""
 
     name = "base"
     horizon = None  # the same draw at every step
