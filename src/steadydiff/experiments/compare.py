@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..runs.trackers import TrackerRun, publish
 from ..utils.errors import ConfigError
 from ..utils.io import atomic_write_text
 from .analysis import analyse, rerender
@@ -38,6 +39,16 @@ def launch_options(exp: Experiment, out: Path, overrides: list[str], launch: Lau
                for more in (extra_runs or [[]])] if launch.gpus_per_run else []
     check_options(launch, configs)
     return dataclasses.replace(launch, folder=launch.folder or out / "submitit")
+
+
+def publish_report(exp: Experiment, out: Path, overrides: list[str], files: list[Path]) -> None:
+    """Send the report's files to the trackers the runs use (`runs/trackers.py`), as artefacts of one tracker run
+    of the experiment: W&B group = the experiment, job type `report`; MLflow run `NAME/report` in the experiment.
+    Its ids are kept in OUT/trackers.json, so a later report goes to the same run."""
+    d = exp.run_config(exp.baseline, exp.seeds[0], overrides).diagnostics
+    if d.tracker_kinds():
+        publish(d.tracker_kinds(), TrackerRun(Path(out), f"{exp.name}/report", d.tracker_project, exp.name, "report",
+                                              {"experiment": exp.name}), files)
 
 
 def compare(experiment: str | Path, out: str | Path, overrides: list[str], argv: list[str], *,
@@ -84,4 +95,5 @@ def compare(experiment: str | Path, out: str | Path, overrides: list[str], argv:
         rep = analyse(exp, out, command=command, report_command=report_command)
         plot_experiment(exp, rep, out)
     write_markdown(rep, out)
+    publish_report(exp, out, overrides, [out / "report.md", out / "results.json", *sorted(out.glob("*.png"))])
     return rep

@@ -34,7 +34,7 @@ from ..runs.metrics_log import read_metrics, series
 from ..utils.errors import ConfigError
 from ..utils.io import atomic_write, atomic_write_text, read_json
 from .analysis import ExperimentError, _json_safe, judge_claims, machine_info
-from .compare import COMMAND_FILE, launch_options
+from .compare import COMMAND_FILE, launch_options, publish_report
 from .launch import LaunchOptions, plan_lines
 from .lr_rule import RunOutcome, best_lr, judge_grid, lr_sensitivity, lr_tag, max_stable_lr
 from .prereg import FILE as PREREG_FILE
@@ -357,4 +357,5 @@ def lr_range(experiment: str | Path, out: str | Path, overrides: list[str], argv
     write_json(rep, out)
     plot_lr_range(rep, out)
     write_markdown(rep, out)
+    publish_report(exp, out, [*overrides, lr_override(exp.lr_range.lrs[0])], [out / f for f in FILES])
     return rep

@@ -53,6 +53,14 @@ def read_result(out: Path, arm: str, seed: int) -> dict[str, Any] | None:
     return read_run_result(run_dir(out, arm, seed))
 
 
+def tracker_overrides(exp: Experiment, job: Job) -> list[str]:
+    """How the run's trackers name it (`runs/trackers.py`): W&B group and MLflow experiment = the experiment, job
+    type and tag `arm` = the arm, run name = the job's label (arm/seed-S, arm/lr-X/seed-S). The diagnostics section
+    may change on resume, so runs trained before these keys existed resume as they are."""
+    values = {"tracker_group": exp.name, "tracker_job": job.arm, "tracker_name": job.label}
+    return [f"diagnostics.{k}={json.dumps(v)}" for k, v in values.items()]  # JSON: YAML reads it back as a string
+
+
 def train_one(exp_path: str, job: Job, extra: list[str], show_progress: bool,
               threads: int | None = None) -> dict[str, Any]:
     """Train one job to the end or to divergence; returns and stores its result record (rank 0 stores it when the
@@ -66,7 +74,8 @@ def train_one(exp_path: str, job: Job, extra: list[str], show_progress: bool,
     if threads:
         torch.set_num_threads(threads)
     exp = load_experiment(exp_path, extra)
-    cfg = exp.run_config(job.arm, job.seed, [*extra, *job.overrides])
+    # The command line's overrides come after the tracker names, so `--set diagnostics.tracker_name=...` wins.
+    cfg = exp.run_config(job.arm, job.seed, [*tracker_overrides(exp, job), *extra, *job.overrides])
     t0 = time.perf_counter()
     trainer = Trainer(cfg, job.rdir, show_progress=show_progress)
     result: dict[str, Any] = {"arm": job.arm, "seed": job.seed, "status": "ok", "steps": cfg.train.steps}
