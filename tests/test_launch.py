@@ -220,6 +220,25 @@ def test_a_multi_task_job_gets_the_variables_torchrun_would_set(monkeypatch):
     assert job.checkpoint().function is job
 
 
+@pytest.mark.slow  # a 2-process job: two interpreters importing torch and joining a gloo group
+def test_a_two_task_job_trains_its_run_with_ddp_inside_the_job(tmp_path):
+    """The path of --gpus-per-run 2, on CPUs: submitit starts 2 tasks, they join one process group from the
+    variables RunJob exports, train the run with DDP, and rank 0 alone writes result.json; the losses are the
+    single-process run's up to the order of the gradient sum."""
+    from steadydiff.experiments import load_experiment, run_experiment
+    from steadydiff.experiments.launch import LaunchOptions
+
+    exp = load_experiment(_experiment(tmp_path / "exp.yaml", arms={"org": {}}))
+    run_experiment(exp, tmp_path / "one", show_progress=False)
+    res = run_experiment(exp, tmp_path / "two", show_progress=False, launch=LaunchOptions(
+        "submitit", "local", folder=tmp_path / "two" / "submitit", tasks_per_run=2))
+    assert [(r["arm"], r["final_step"]) for r in res] == [("org", STEPS)]
+    one, two = (metrics_rows(tmp_path / d / "runs" / "org" / "seed-0") for d in ("one", "two"))
+    assert two[0]["world_size"] == 2 and one[0]["world_size"] == 1
+    la, lb = ([r["loss"] for r in rows if "loss" in r] for rows in (one, two))
+    assert len(la) == len(lb) == STEPS and max(abs(a - b) / abs(a) for a, b in zip(la, lb)) < 1e-5
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--partition", "gpu"], "--partition is an option of --launcher submitit; add --launcher submitit"),
     (["--cluster", "local"], "--cluster is an option of --launcher submitit"),

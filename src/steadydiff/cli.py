@@ -480,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
     cm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key in every run, e.g. --set train.steps=20000 on a GPU")
-    cm.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's)")
+    cm.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's; "
+                    "--launcher local)")
     cm.add_argument("--report-only", action="store_true",
                     help="only analyse the finished runs (or, when they are gone, re-judge OUT/results.json)")
     cm.add_argument("--calibrate", action="store_true",
@@ -496,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
     lr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key in every run (not train.lr: the grid sets it)")
-    lr.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's)")
+    lr.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's; "
+                    "--launcher local)")
     lr.add_argument("--report-only", action="store_true", help="only judge the finished runs again; train nothing")
     lr.add_argument("--quiet", action="store_true")
     _add_launch_args(lr)
