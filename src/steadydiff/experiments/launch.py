@@ -201,7 +201,9 @@ class RunJob:
             # handler (restored when fit returned): it calls checkpoint() and requeues this job, or ends it once the
             # time-limit requeues are spent. Only task 0 requeues; the other tasks end quietly.
             if e.signal_name in (requeue_signal().name, "a stop signal on another rank"):
-                if env.global_rank == 0:
+                # callable: submitit's handler is there (the debug cluster, in this process, installs none, and
+                # raising the signal with its default action would end the command itself).
+                if env.global_rank == 0 and callable(signal.getsignal(requeue_signal())):
                     signal.raise_signal(requeue_signal())
                 return None
             raise
