@@ -32,7 +32,7 @@ group, in turn; the ranks agree on the stop by one all-reduce. The run is compar
     PYTHONPATH=src python benchmarks/soak.py --signals 12 --torchrun-signals 6 [--steps 120] [--seed 0]
 
 writes benchmarks/results/soak_signal.json and soak_signal.md; tests/test_reliability.py reuses `signal_soak()`
-with 2 signals.
+with one signal (inside a checkpoint write).
 """
 
 from __future__ import annotations
