@@ -22,6 +22,17 @@ timings images_per_sec, mfu and peak_flops equal).
 
 Writes benchmarks/results/soak.json and soak.md (command, machine, date). tests/test_reliability.py reuses
 `soak()` with 3 kills.
+
+Stop signals (`signal_soak`): the same command gets SIGTERM instead, at the same kinds of moments, and must end at
+the step boundary with that step's checkpoint (exit 75, `train/preemption.py`): steps lost per signal = the last
+step logged before it minus the step the re-run resumes from (0 expected). With `--torchrun-signals` the command
+runs under `torchrun --standalone --nproc_per_node=2` and each SIGTERM goes to rank 0, rank 1 or the whole process
+group, in turn; the ranks agree on the stop by one all-reduce. The run is compared with one never stopped.
+
+    PYTHONPATH=src python benchmarks/soak.py --signals 12 --torchrun-signals 6 [--steps 120] [--seed 0]
+
+writes benchmarks/results/soak_signal.json and soak_signal.md; tests/test_reliability.py reuses `signal_soak()`
+with one signal (inside a checkpoint write).
 """
 
 from __future__ import annotations
@@ -31,7 +42,9 @@ import datetime
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,14 +60,21 @@ KINDS = ("startup", "step", "ckpt")
 VOLATILE = {"images_per_sec", "mfu", "peak_flops"}  # wall-clock measurements
 
 
-def train_argv(out: Path, steps: int, ckpt_every: int) -> list[str]:
-    sets = ["data.name=toy2d", "data.toy_size=1000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
+def train_sets(steps: int, ckpt_every: int, log_every: int = 3) -> list[str]:
+    return ["data.name=toy2d", "data.toy_size=1000", "model.backbone=mlp_unet", "model.hidden=32", "model.depth=4",
             "model.skip_scaling=cs", "train.batch_size=64", "train.lr=2e-3", "train.warmup_steps=5",
-            f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", "train.log_every=3", "train.keep_ckpts=3",
-            "train.ema_sigma_rels=[0.05,0.1]", "train.sample_n=64", "train.sample_steps=4", "train.threads=1",
-            "train.seed=7"]
-    return [sys.executable, "-m", "steadydiff.cli", "train", "--out", str(out), "--quiet",
-            *[a for s in sets for a in ("--set", s)]]
+            f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", f"train.log_every={log_every}",
+            "train.keep_ckpts=3", "train.ema_sigma_rels=[0.05,0.1]", "train.sample_n=64", "train.sample_steps=4",
+            "train.threads=1", "train.seed=7"]
+
+
+def train_argv(out: Path, steps: int, ckpt_every: int, log_every: int = 3, nproc: int = 1) -> list[str]:
+    """The `steadydiff train` command; `nproc` 2: under `torchrun --standalone` with 2 ranks."""
+    launch = [sys.executable, "-m", "steadydiff.cli"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+        "steadydiff.cli"]
+    return [*launch, "train", "--out", str(out), "--quiet",
+            *[a for s in train_sets(steps, ckpt_every, log_every) for a in ("--set", s)]]
 
 
 def _env(delay: float) -> dict[str, str]:
@@ -271,6 +291,154 @@ def soak(workdir: Path, kills: int, steps: int, ckpt_every: int, seed: int, dela
     }
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Stop signals: SIGTERM at random moments; the trainer ends at the step boundary with that step's checkpoint
+
+MOMENTS = ("startup", "step", "ckpt")  # single process; under torchrun, step and ckpt (see `signal_soak`)
+TARGETS = ("rank0", "rank1", "group")  # torchrun: one rank, or the whole process group as Slurm signals a step
+
+
+def workers_of(run: Path) -> dict[int, int]:
+    """{rank: pid} of the live torchrun workers training `run` (their command line and environment in /proc)."""
+    found = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+            env = dict(kv.split(b"=", 1) for kv in (p / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if str(run).encode() in cmd and b"LOCAL_WORLD_SIZE" in env and b"RANK" in env:
+            found[int(env[b"RANK"])] = int(p.name)
+    return found
+
+
+def _signal_once(cmd, env, run: Path, moment: str, rng: random.Random, ckpt_every: int, delay: float, err: Path,
+                 nproc: int = 1, target: str = "process") -> dict:
+    """Start the command, send SIGTERM at a moment of the given kind, wait for it to end; what happened."""
+    resume = check_run_dir(run)["resume_step"]
+    metrics, ckdir = run / "metrics.jsonl", run / "checkpoints"
+    t0, launched_ns = time.monotonic(), time.time_ns()
+    with open(err, "w") as errf:
+        # Its own session: `group` signals the launcher and every rank, as a scheduler signals a job step.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)
+
+    def fresh_step() -> int:  # what this attempt logged (lines past an older checkpoint are cut on resume)
+        fresh = metrics.exists() and metrics.stat().st_mtime_ns > launched_ns
+        return last_logged_step(run) if fresh else 0
+
+    def writing() -> bool:  # a checkpoint write of this attempt (the temporary directory, before its rename)
+        return ckdir.is_dir() and any(p.stat().st_mtime_ns > launched_ns for p in ckdir.glob(".tmp-step-*"))
+
+    sent, hung = False, False
+    try:
+        if moment == "startup":
+            time.sleep(rng.uniform(0.2, 2.5))
+        elif moment == "step":
+            goal = resume + rng.randint(1, 2 * ckpt_every)
+            _wait_for(lambda: fresh_step() >= goal, proc, timeout=300)
+            time.sleep(rng.uniform(0.0, 0.03))
+        else:
+            _wait_for(writing, proc, timeout=300)
+            time.sleep(rng.uniform(0.0, 2 * delay))
+        in_write = writing()
+        logged = max(fresh_step(), resume)  # the last step known done when the signal leaves
+        if proc.poll() is None:
+            if target == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            elif target.startswith("rank"):
+                pids = workers_of(run)
+                if int(target[4:]) in pids:
+                    os.kill(pids[int(target[4:])], signal.SIGTERM)
+                else:  # not started yet, or gone: the launcher forwards it
+                    proc.send_signal(signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            sent = True
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            hung = True
+            os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = err.read_text(errors="replace")
+    after = check_run_dir(run)
+    return {"moment": moment, "target": target, "signalled": sent, "exit_code": proc.returncode,
+            "rank_exit_codes": [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", text)] if nproc > 1 else [],
+            "stopped_at_boundary": "stopped by SIG" in text or "a stop signal on another rank" in text,
+            "seconds": round(time.monotonic() - t0, 3), "resume_step_before": resume, "logged_step_at_signal": logged,
+            "inside_checkpoint_write": in_write, "resume_step": after["resume_step"],
+            "steps_lost": max(0, logged - after["resume_step"]), "steps_kept_past_log": after["resume_step"] - logged,
+            "unloadable": after["unloadable"], "hung": hung}
+
+
+def signal_soak(workdir: Path, signals: int, steps: int, ckpt_every: int, seed: int, delay: float = 0.05,
+                nproc: int = 1, moments: list[str] | None = None, targets: list[str] | None = None) -> dict:
+    """SIGTERM `signals` times at seeded random moments (given in order, else drawn), re-running the command after
+    each, then finish it and compare with a run never stopped. `nproc` 2: `torchrun` with 2 ranks, the signals
+    to rank 0, rank 1 and the whole group in turn (or to `targets`); moments step and ckpt only (a rank signalled
+    while starting, before the trainer's handler exists, dies at once as under SIGKILL). log_every 1, so the last
+    step logged before a signal is the step before the one in flight: steps lost = that step minus the step the run
+    resumes from, if positive (0 expected), and steps kept = the converse (>= 1: the step in flight was finished)."""
+    rng = random.Random(seed)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ref, run = workdir / f"reference-{nproc}", workdir / f"signalled-{nproc}"
+    for d in (ref, run):
+        shutil.rmtree(d, ignore_errors=True)
+    env = _env(0)
+    env.pop("WORLD_SIZE", None)
+    with open(workdir / "reference.err", "w") as errf:
+        if subprocess.run(train_argv(ref, steps, ckpt_every, 1, nproc), env=env, stdout=subprocess.DEVNULL,
+                          stderr=errf).returncode != 0:
+            raise RuntimeError(f"reference run failed; see {workdir / 'reference.err'}")
+    cmd, env = train_argv(run, steps, ckpt_every, 1, nproc), dict(_env(delay))
+    env.pop("WORLD_SIZE", None)
+    choices = moments or (list(MOMENTS) if nproc == 1 else ["step", "ckpt"])
+    events: list[dict] = []
+    while sum(e["signalled"] for e in events) < signals:
+        i = len(events)
+        moment = moments[i % len(moments)] if moments else rng.choice(choices)
+        # Under torchrun every target in turn (rank 0, rank 1, the group), so that each is covered.
+        target = "process" if nproc == 1 else (targets or TARGETS)[i % len(targets or TARGETS)]
+        ev = _signal_once(cmd, env, run, moment, rng, ckpt_every, delay, workdir / f"attempt-{i}.err", nproc, target)
+        events.append(ev)
+        if not ev["signalled"]:
+            if ev["exit_code"] != 0:
+                raise RuntimeError(f"training exited {ev['exit_code']}; see {workdir / f'attempt-{i}.err'}")
+            break  # it finished before the signal's moment
+    if events[-1]["signalled"]:
+        with open(workdir / "final.err", "w") as errf:
+            if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errf).returncode != 0:
+                raise RuntimeError(f"resume after the last signal failed; see {workdir / 'final.err'}")
+    sent = [e for e in events if e["signalled"]]
+    cmp_ = compare_runs(run, ref)
+    handled = [e for e in sent if e["stopped_at_boundary"]]
+    finished = [e for e in sent if not e["stopped_at_boundary"] and e["exit_code"] == 0]  # came in the last save
+    return {
+        "processes": nproc, "signals": len(sent),
+        "signals_by_moment": {m: sum(e["moment"] == m for e in sent) for m in MOMENTS},
+        "signals_by_target": {t: sum(e["target"] == t for e in sent) for t in ({e["target"] for e in sent})},
+        "stopped_at_a_step_boundary": len(handled),
+        "exit_75": sum(e["exit_code"] == 75 or 75 in e["rank_exit_codes"] for e in sent),
+        "finished_anyway": len(finished), "died_before_the_handler": len(sent) - len(handled) - len(finished),
+        "inside_checkpoint_write": sum(e["inside_checkpoint_write"] for e in sent),
+        "steps_lost_per_signal": [e["steps_lost"] for e in sent],
+        "steps_lost_max": max([e["steps_lost"] for e in sent], default=0),
+        "steps_kept_past_the_log": [e["steps_kept_past_log"] for e in handled],
+        "unloadable_checkpoints": sum(len(e["unloadable"]) for e in events), "hung": sum(e["hung"] for e in events),
+        "resume_exact": bool(cmp_["weights_bit_equal"] and cmp_["optimizer_state_equal"] and cmp_["metrics_equal"]
+                             and cmp_["phema_snapshots_equal"] and cmp_["loss_steps_once"]
+                             and cmp_["duplicate_records"] == 0),
+        "compare": cmp_, "steps": steps, "ckpt_every": ckpt_every, "seed": seed, "ckpt_write_delay_s": delay,
+        "train_command": " ".join(["python", *train_argv(Path("RUN"), steps, ckpt_every, 1, nproc)[1:]]),
+        "events": events,
+    }
+
+
 def _machine() -> str:
     import platform
 
@@ -334,6 +502,75 @@ unloadable | torn metrics tail |
     return out / "soak.json", out / "soak.md"
 
 
+NOTE_RANK_EXITS = ("exit: torchrun's status (1 when a worker exits non-zero); rank exits: the statuses its failure "
+                   "report lists (75: stopped with the step's checkpoint; -15: a rank still exiting after that "
+                   "checkpoint, ended by torchrun's SIGTERM to the group); none listed when torchrun itself got the "
+                   "signal.\n\n")
+
+
+TABLE_HEAD = "| # | moment | target | exit | rank exits | logged at signal | resumes from | lost | in ckpt write | s |"
+
+
+def write_signal_results(parts: list[dict], command: str) -> tuple[Path, Path]:
+    """benchmarks/results/soak_signal.json and .md: the SIGTERM soaks (single process, torchrun 2 ranks)."""
+    out = ROOT / "results"
+    out.mkdir(exist_ok=True)
+    res = {"command": command, "machine": _machine(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "soaks": parts}
+    (out / "soak_signal.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = [f"""# Stop-signal soak: SIGTERM at random moments
+
+- command: `{command}`
+- date: {res['date']}
+- machine: {res['machine']}
+- what: `steadydiff train` (log_every 1, a checkpoint every few steps) gets SIGTERM at seeded random moments and
+  is re-run after each; the trainer's handler (`train.stop_signals`, `train/preemption.py`) lets the step in flight
+  finish, saves that step's checkpoint and exits 75. Steps lost per signal = the last step logged before the
+  signal minus the step the re-run resumes from, when positive (0 expected; the step in flight is not lost
+  either: it is finished and saved). Under torchrun (2 ranks, gloo) the signal goes to rank 0, rank 1 or the whole
+  process group (launcher and ranks, as a scheduler signals a job step); the ranks agree by one all-reduce.
+  Finally the run is compared with one of the same command that was never stopped.
+"""]
+    for r in parts:
+        c = r["compare"]
+        kept = r["steps_kept_past_the_log"]
+        sent = "moments: " + ", ".join(f"{k} {v}" for k, v in r["signals_by_moment"].items() if v)
+        if r["processes"] > 1:
+            sent += "; targets: " + ", ".join(f"{k} {v}" for k, v in sorted(r["signals_by_target"].items()))
+        md.append(f"""
+## {'Single process' if r['processes'] == 1 else f"torchrun, {r['processes']} ranks"}
+
+- run: `{r['train_command']}`; seed {r['seed']}, checkpoint write delay hook {r['ckpt_write_delay_s']} s per file
+
+| figure | value |
+|---|---|
+| SIGTERMs sent | {r['signals']} ({sent}) |
+| stopped at a step boundary with that step's checkpoint (exit 75) | {r['stopped_at_a_step_boundary']} \
+(exit 75 seen: {r['exit_75']}) |
+| came during the last step's save: the run finished (exit 0) | {r['finished_anyway']} |
+| ended before the trainer's handler existed (start-up: default action, nothing trained yet) | \
+{r['died_before_the_handler']} |
+| signals that landed inside a checkpoint write | {r['inside_checkpoint_write']} |
+| **steps lost per signal** | {', '.join(map(str, r['steps_lost_per_signal']))} (max **{r['steps_lost_max']}**) |
+| steps saved past the last logged one (the step in flight, finished) | {', '.join(map(str, kept))} |
+| unloadable checkpoints after a signal / attempts that hung | {r['unloadable_checkpoints']} / {r['hung']} |
+| final weights + EMA bit-equal to the run never stopped | {c['weights_bit_equal']} (max abs diff \
+{c['weights_max_abs_diff']:.1e}) |
+| optimiser state, post-hoc EMA snapshots, metrics.jsonl (all but timings) equal | {c['optimizer_state_equal']}, \
+{c['phema_snapshots_equal']}, {c['metrics_equal']} ({c['metrics_records']} records, {c['duplicate_records']} \
+duplicates) |
+| resume exact (all of the above) | {r['resume_exact']} |
+
+{"" if r["processes"] == 1 else NOTE_RANK_EXITS}{TABLE_HEAD}
+|---|---|---|---|---|---|---|---|---|---|
+""" + "\n".join(f"| {i + 1} | {e['moment']} | {e['target']} | {e['exit_code']} | "
+                f"{' '.join(map(str, e['rank_exit_codes']))} | {e['logged_step_at_signal']} | {e['resume_step']} | "
+                f"{e['steps_lost']} | {'yes' if e['inside_checkpoint_write'] else ''} | {e['seconds']} |"
+                for i, e in enumerate(r["events"])) + "\n")
+    (out / "soak_signal.md").write_text("".join(md))
+    return out / "soak_signal.json", out / "soak_signal.md"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=24)
@@ -342,13 +579,32 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--delay", type=float, default=0.05, help="checkpoint write delay per file (test hook), s")
     p.add_argument("--workdir", help="keep the run directories here (default: a temporary directory)")
+    p.add_argument("--signals", type=int, default=0, help="SIGTERM soak instead: this many signals, one process")
+    p.add_argument("--torchrun-signals", type=int, default=0,
+                   help="SIGTERM soak under torchrun with 2 ranks: this many signals (--torchrun-steps steps)")
+    p.add_argument("--torchrun-steps", type=int, default=60)
     args = p.parse_args()
     sys.path.insert(0, str(SRC))
+    command = ("PYTHONPATH=src python benchmarks/soak.py " + " ".join(sys.argv[1:])).strip()
+    if args.signals or args.torchrun_signals:
+        parts = []
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(args.workdir) if args.workdir else Path(tmp)
+            if args.signals:
+                parts.append(signal_soak(work / "single", args.signals, args.steps, args.ckpt_every, args.seed,
+                                         args.delay))
+            if args.torchrun_signals:
+                parts.append(signal_soak(work / "torchrun", args.torchrun_signals, args.torchrun_steps,
+                                         args.ckpt_every, args.seed, args.delay, nproc=2))
+        js, md = write_signal_results(parts, command)
+        print(md.read_text())
+        ok = all(r["steps_lost_max"] == 0 and r["resume_exact"] and not r["unloadable_checkpoints"] and not r["hung"]
+                 for r in parts)
+        return 0 if ok else 1
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir) if args.workdir else Path(tmp)
         res = soak(work, args.kills, args.steps, args.ckpt_every, args.seed, args.delay)
-    command = "PYTHONPATH=src python benchmarks/soak.py " + " ".join(sys.argv[1:])
-    js, md = write_results(res, command.strip())
+    js, md = write_results(res, command)
     print(md.read_text())
     ok = (res["kills"] >= args.kills and res["resume_exact"] and res["completed_checkpoints_lost"] == 0
           and res["unloadable_checkpoint_dirs_after_kills"] == 0)

@@ -58,8 +58,8 @@ def one_thread():
 # out whole files; started early, none of them is left for the end while the other worker sits idle. `make
 # test` passes --no-loadscope-reorder, so xdist keeps this order (its default sorts files by test count).
 LONGEST_FIRST = ["test_perf.py", "test_metrics_features.py", "test_distributed.py", "test_reliability.py",
-                 "test_guidance.py", "test_experiments.py", "test_inference.py", "test_bad_input.py",
-                 "test_flow.py", "test_diagnostics.py", "test_cli.py"]
+                 "test_guidance.py", "test_experiments.py", "test_launch.py", "test_inference.py",
+                 "test_bad_input.py", "test_flow.py", "test_diagnostics.py", "test_cli.py"]
 
 
 def pytest_collection_modifyitems(items):

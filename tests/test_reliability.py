@@ -85,6 +85,19 @@ def test_soak_sigkill_three_times_resumes_exactly(tmp_path):
     assert res["resume_exact"]
 
 
+@pytest.mark.slow
+def test_soak_sigterm_inside_a_checkpoint_write_loses_no_step_and_the_rerun_resumes_exactly(tmp_path):
+    # One SIGTERM, in the first checkpoint write (benchmarks/soak.py --signals sends 12 at drawn moments, and 6 more
+    # under torchrun; tests/test_preemption.py signals at a step). The write completes, the run ends at that step
+    # boundary with exit 75, the re-run resumes there, and the run ends as one never stopped.
+    soak = _soak_module()
+    res = soak.signal_soak(tmp_path, signals=1, steps=12, ckpt_every=5, seed=9, delay=0.05, moments=["ckpt"])
+    (ev,) = res["events"]
+    assert ev["inside_checkpoint_write"] and ev["exit_code"] == 75 and ev["stopped_at_boundary"], ev
+    assert ev["resume_step"] == 5 and res["steps_lost_per_signal"] == [0] and res["unloadable_checkpoints"] == 0
+    assert res["resume_exact"] and res["compare"]["final_step"] == 12
+
+
 def test_soak_torn_metrics_line_is_dropped_on_resume(tmp_path):
     """A kill mid-write leaves half a JSON line without its newline; resuming must not glue onto it."""
     run = tmp_path / "run"

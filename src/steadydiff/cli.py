@@ -277,12 +277,23 @@ def _cmd_phema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_options(args: argparse.Namespace):
+    from .experiments.launch import LaunchOptions
+
+    return LaunchOptions(launcher=args.launcher, cluster=args.cluster, partition=args.partition,
+                         gpus_per_run=args.gpus_per_run, cpus_per_run=args.cpus_per_run, timeout_min=args.timeout_min,
+                         max_requeues=args.max_requeues, array_parallelism=args.array_parallelism,
+                         slurm_extra=tuple(args.slurm_extra), dry_run=args.dry_run)
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .experiments.compare import compare
 
     rep = compare(args.experiment, args.out, args.set, args.argv if args.argv is not None else sys.argv[1:],
                   workers=args.workers, report_only=args.report_only, calibrate=args.calibrate,
-                  show_progress=not args.quiet)
+                  show_progress=not args.quiet, launch=_launch_options(args))
+    if rep is None:  # --dry-run: the plan is printed, nothing was written or submitted
+        return 0
     for c in rep["claims"]:
         print(f"{c['verdict']:>14}: {c['name']} ({c['registration']})")
     print(f"wrote {Path(args.out)}/results.json and report.md")
@@ -293,7 +304,10 @@ def _cmd_lr_range(args: argparse.Namespace) -> int:
     from .experiments.lr_range import FILES, lr_range, summary_lines
 
     rep = lr_range(args.experiment, args.out, args.set, args.argv if args.argv is not None else sys.argv[1:],
-                   workers=args.workers, report_only=args.report_only, show_progress=not args.quiet)
+                   workers=args.workers, report_only=args.report_only, show_progress=not args.quiet,
+                   launch=_launch_options(args))
+    if rep is None:  # --dry-run
+        return 0
     for line in summary_lines(rep):
         print(line)
     for c in rep["claims"]:
@@ -333,6 +347,41 @@ def _count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _count0(text: str) -> int:
+    """A non-negative integer argument (--gpus-per-run, --max-requeues)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    """--launcher and the cluster options of `compare` and `lr-range` (choices from experiments/launch.py)."""
+    from .experiments.launch import CLUSTERS, DEFAULT_MAX_REQUEUES, DEFAULT_TIMEOUT_MIN, LAUNCHERS
+
+    g = p.add_argument_group("where the runs train", "--launcher submitit submits one job per run, as one job "
+                             "array (the [slurm] extra); the options below apply to it only")
+    g.add_argument("--launcher", choices=LAUNCHERS.names, default="local",
+                   help="local: this machine's pool (--workers at once); submitit: one cluster job per run")
+    g.add_argument("--cluster", choices=CLUSTERS.names, help="submitit's cluster (default slurm): "
+                   + "; ".join(f"{k}: {v}" for k, v in CLUSTERS.items()))
+    g.add_argument("--partition", help="Slurm partition")
+    g.add_argument("--gpus-per-run", type=_count0, help="GPUs per run; N > 1 trains each run with DDP on N tasks")
+    g.add_argument("--cpus-per-run", type=_count, help="CPUs per run (also its torch threads)")
+    g.add_argument("--timeout-min", type=_count, help=f"a job's time limit in minutes (default {DEFAULT_TIMEOUT_MIN}); "
+                   "at the limit the run checkpoints its step and the job is requeued")
+    g.add_argument("--max-requeues", type=_count0, help="requeues after a time limit (default "
+                   f"{DEFAULT_MAX_REQUEUES}; preemptions do not count)")
+    g.add_argument("--array-parallelism", type=_count, help="jobs of the array running at once")
+    g.add_argument("--slurm-extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other sbatch option, e.g. --slurm-extra account=ab12 (repeatable)")
+    g.add_argument("--dry-run", action="store_true", help="print what would be submitted (the sbatch script of the "
+                   "array) and submit nothing")
 
 
 def load_registries() -> None:
@@ -470,12 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
     cm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key in every run, e.g. --set train.steps=20000 on a GPU")
-    cm.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's)")
+    cm.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's; "
+                    "--launcher local)")
     cm.add_argument("--report-only", action="store_true",
                     help="only analyse the finished runs (or, when they are gone, re-judge OUT/results.json)")
     cm.add_argument("--calibrate", action="store_true",
                     help="measure the metric's noise on the finished runs first (the experiment's calibrate: block)")
     cm.add_argument("--quiet", action="store_true")
+    _add_launch_args(cm)
     cm.set_defaults(func=_cmd_compare)
 
     lr_kinds = ", ".join(k for k, kind in CLAIM_KINDS.items() if kind.lr_range)
@@ -485,9 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--out", required=True, help="output directory (re-run to resume; finished runs are kept)")
     lr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key in every run (not train.lr: the grid sets it)")
-    lr.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's)")
+    lr.add_argument("--workers", type=_count, help="runs trained at once in separate processes (default: the file's; "
+                    "--launcher local)")
     lr.add_argument("--report-only", action="store_true", help="only judge the finished runs again; train nothing")
     lr.add_argument("--quiet", action="store_true")
+    _add_launch_args(lr)
     lr.set_defaults(func=_cmd_lr_range)
     return p
 

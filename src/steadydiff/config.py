@@ -311,7 +311,17 @@ class DiagnosticsConfig:
     magnitude_every: int = 0  # activation and weight RMS per block, EDM2 Fig. 3 style (mag/...)
     probe_size: int = 32  # probe batch size
     probe_seed: int = 1234  # the probe batch is drawn from this seed, independent of training
-    tensorboard: bool = False  # also write scalars to RUN_DIR/tb (needs the tensorboard package)
+    tensorboard: bool = False  # kept for old configs: the same as `tensorboard` in trackers
+    # Experiment trackers mirroring metrics.jsonl on rank 0 (runs/trackers.py TRACKERS: tensorboard, wandb,
+    # mlflow), each an optional extra; metrics.jsonl stays the record, a tracker that fails never stops training.
+    trackers: list[str] = registered(default_factory=list)
+    # How a tracker names the run: W&B project (MLflow experiment when there is no group), group (W&B group,
+    # MLflow experiment: `compare` sets the experiment's name), job (W&B job type, MLflow tag `arm`: the arm),
+    # name (default: the run directory's name; `compare` sets arm/seed-S).
+    tracker_project: str = "steadydiff"
+    tracker_group: str | None = None
+    tracker_job: str | None = None
+    tracker_name: str | None = None
     # Validation loss (val/...): the base-weighted loss of the raw and EMA model on a fixed set of examples
     # (held-out split where the dataset has one), stratified over val_bins equal bins of the noise level.
     val_every: int = 0  # steps between validation evaluations
@@ -333,6 +343,14 @@ class DiagnosticsConfig:
                               "lower val_bins")
         if self.val_batch < 1:
             raise ConfigError(f"diagnostics.val_batch: must be >= 1, got {self.val_batch}")
+        twice = sorted({k for k in self.trackers if self.trackers.count(k) > 1})
+        if twice:
+            raise ConfigError(f"diagnostics.trackers: {twice[0]} is listed twice; list each tracker once")
+
+    def tracker_kinds(self) -> list[str]:
+        """The trackers to feed: `trackers`, plus tensorboard when the old `tensorboard: true` asks for it."""
+        extra = ["tensorboard"] if self.tensorboard and "tensorboard" not in self.trackers else []
+        return [*self.trackers, *extra]
 
 
 @dataclass

@@ -34,13 +34,14 @@ from ..runs.metrics_log import read_metrics, series
 from ..utils.errors import ConfigError
 from ..utils.io import atomic_write, atomic_write_text, read_json
 from .analysis import ExperimentError, _json_safe, judge_claims, machine_info
-from .compare import COMMAND_FILE
+from .compare import COMMAND_FILE, launch_options, publish_report
+from .launch import LaunchOptions, plan_lines
 from .lr_rule import RunOutcome, best_lr, judge_grid, lr_sensitivity, lr_tag, max_stable_lr
 from .prereg import FILE as PREREG_FILE
 from .prereg import claim_status, record
 from .regime import lr_sum, regime, tied_horizons
 from .report import _claim_lines, _f, _regime_lines
-from .runner import Job, read_run_result, run_jobs
+from .runner import Job, read_run_result, run_jobs, unfinished
 from .spec import Experiment, load_experiment
 
 FILES = ("lr_range.json", "lr_range.md", "lr_range.png")
@@ -322,14 +323,21 @@ def summary_lines(rep: dict[str, Any]) -> list[str]:
 
 def lr_range(experiment: str | Path, out: str | Path, overrides: list[str], argv: list[str], *,
              workers: int | None = None, report_only: bool = False, show_progress: bool = True,
-             say: Callable[[str], Any] = print) -> dict[str, Any]:
+             say: Callable[[str], Any] = print, launch: LaunchOptions | None = None) -> dict[str, Any] | None:
     """Run `steadydiff lr-range` with these arguments (`argv`: the command line after `steadydiff`, quoted in
-    lr_range.md); returns the analysed report (its `claims` hold the verdicts). `say` gets progress lines."""
+    lr_range.md); returns the analysed report (its `claims` hold the verdicts). `say` gets progress lines.
+    `launch`: where the runs train (`launch.py`); with its `dry_run`, says what would be submitted, writes and
+    submits nothing, and returns None."""
     exp = load_experiment(experiment, overrides, strict=not report_only)
     if exp.lr_range is None:
         raise ConfigError(f"experiment {experiment} has no lr_range: block; add lr_range: {{lrs: [1.0e-4, 3.0e-4, "
                           "1.0e-3]}, or run it with `steadydiff compare`")
     out = Path(out)
+    launch = launch_options(exp, out, overrides, launch, [[lr_override(lr)] for lr in exp.lr_range.lrs[:1]])
+    if launch.dry_run:
+        for line in plan_lines(unfinished(grid_jobs(exp, out)), launch, exp.name):
+            say(line)
+        return None
     command = "steadydiff " + " ".join(shlex.quote(a) for a in argv)
     ran_by = out / COMMAND_FILE
     report_command = ""
@@ -342,11 +350,12 @@ def lr_range(experiment: str | Path, out: str | Path, overrides: list[str], argv
             say(f"{out} already holds runs and no {PREREG_FILE}: the claims are 'not recorded' (register claims by "
                 "running a new experiment into an empty --out)")
         run_jobs(exp, grid_jobs(exp, out), overrides, workers=workers, show_progress=show_progress,
-                 desc="lr-range runs")
+                 desc="lr-range runs", launch=launch)
     elif ran_by.is_file():
         command, report_command = ran_by.read_text().strip(), command
     rep = analyse_grid(exp, out, overrides, command, report_command)
     write_json(rep, out)
     plot_lr_range(rep, out)
     write_markdown(rep, out)
+    publish_report(exp, out, [*overrides, lr_override(exp.lr_range.lrs[0])], [out / f for f in FILES])
     return rep

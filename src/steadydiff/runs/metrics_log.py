@@ -1,18 +1,20 @@
 """`RUN_DIR/metrics.jsonl`: one JSON record per line, appended by the trainer (rank 0), read by
 diagnostics, experiments and plots. A record always has `step`; a line torn by a crash mid-write is
 dropped on reading, and a resumed run first cuts the log back to its checkpoint (`truncate_after`), so every
-step is logged exactly once."""
+step is logged exactly once. The run's trackers (`trackers.py`) mirror it; the file stays the record."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..utils.errors import ConfigError
+from ..config import Config
 from ..utils.io import atomic_write, atomic_write_text
+from .trackers import TrackerRun, Trackers, tracker_scalars
 
 FILE = "metrics.jsonl"
 
@@ -56,44 +58,57 @@ def truncate_after(run_dir: str | Path, step: int) -> None:
 
 
 class MetricsLog:
-    """Appends records to `run_dir/metrics.jsonl` (`enabled=False`, on ranks other than 0: writes nothing),
-    and with `tensorboard=True` mirrors chosen scalars to `run_dir/tb`. Use as a context manager; `sync()`
-    makes every record so far durable (before a checkpoint that makes them final)."""
+    """Appends records to `run_dir/metrics.jsonl` (`enabled=False`, on ranks other than 0: writes nothing) and feeds
+    the run's trackers (`trackers.py`: TensorBoard, W&B, MLflow; `tensorboard=True` is the old switch for the
+    first) with every record's numbers, images and the config. Use as a context manager; `sync()` makes every record
+    so far durable (before a checkpoint that makes them final). `for_run` builds it from a run's config."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = False,
+                 trackers: Sequence[str] = (), run: TrackerRun | None = None):
         self.path = Path(run_dir) / FILE
         self.enabled = enabled
-        self.tensorboard = tensorboard and enabled
+        kinds = [*trackers, *(["tensorboard"] if tensorboard and "tensorboard" not in trackers else [])]
+        run = run or TrackerRun(Path(run_dir), Path(run_dir).resolve().name)
+        self.trackers = Trackers(kinds, run) if enabled and kinds else None
         self._file = None
-        self._tb = None
+        self._status = "failed"  # unless the block ends normally, or `interrupted()` says a signal ended it
+
+    @classmethod
+    def for_run(cls, run_dir: str | Path, cfg: Config, enabled: bool = True) -> MetricsLog:
+        """The log of a training run: its trackers (`diagnostics.trackers`, named as the config says)."""
+        return cls(run_dir, enabled, trackers=cfg.diagnostics.tracker_kinds(), run=TrackerRun.of(run_dir, cfg))
 
     def __enter__(self) -> MetricsLog:
-        if self.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ConfigError("diagnostics.tensorboard=true needs the tensorboard package: pip install "
-                                  "tensorboard (or set diagnostics.tensorboard=false)") from e
-            self._tb = SummaryWriter(str(self.path.parent / "tb"))
+        if self.trackers is not None:
+            self.trackers.open()  # a missing package: a ConfigError before anything is written
         if self.enabled:
             self._file = open(self.path, "a")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        if self.trackers is not None:
+            self.trackers.close("finished" if exc_type is None else self._status)
 
-    def write(self, record: dict[str, Any], scalars: dict[str, float] | None = None) -> None:
-        """Append `record` (it has a `step`); `scalars` also go to TensorBoard at that step."""
+    def interrupted(self) -> None:
+        """A stop signal ends the run here (it continues when re-run): trackers mark it interrupted, not failed."""
+        self._status = "interrupted"
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append `record` (it has a `step`); its numbers also go to the trackers at that step."""
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, v in (scalars or {}).items():
-                self._tb.add_scalar(key, v, record["step"])
+        if self.trackers is not None:
+            values = tracker_scalars(record)
+            if values:
+                self.trackers.call("log_scalars", record["step"], values)
+
+    def log_image(self, step: int, name: str, path: str | Path) -> None:
+        """An image the run wrote (a sample grid, curves.png) to the trackers; nothing when the file is absent."""
+        if self.trackers is not None:
+            self.trackers.log_image(step, name, Path(path))
 
     def flush(self) -> None:
         if self._file is not None:

@@ -232,10 +232,10 @@ class Trainer:
         """`train.eval_metrics` of the EMA weights (see `outputs.periodic_eval`); collective under DDP."""
         return periodic_eval(self.context, self.dist, self.decoder)
 
-    def _write_samples(self) -> None:
+    def _write_samples(self) -> Path:
         t = self.cfg.train
-        write_sample_grid(self.sample(t.sample_n, t.sample_sampler, t.sample_steps, seed=t.seed), self.run_dir,
-                          self.step, self.dataset)
+        return write_sample_grid(self.sample(t.sample_n, t.sample_sampler, t.sample_steps, seed=t.seed),
+                                 self.run_dir, self.step, self.dataset)
 
     def fit(self) -> dict[str, Any]:
         """Train to train.steps. Under DDP every rank calls it; rank 0 writes the outputs."""
@@ -249,52 +249,56 @@ class Trainer:
                    dynamic_ncols=True)
         # Monitors only on rank 0: after DDP's all-reduce its gradients and weights are everyone's.
         self.monitors = build_monitors(self.cfg.diagnostics, self.context, self.run_dir) if main else []
-        with runs.MetricsLog(self.run_dir, enabled=main, tensorboard=self.cfg.diagnostics.tensorboard) as log, \
-                StopSignals(t.stop_signals) as stops:
-            if fl["flops_per_step"] and self.step == 0:  # once per run: a resumed run keeps its record
-                log.write({"step": self.step, "flops_per_step": fl["flops_per_step"],
-                           "peak_flops": fl["peak_flops"], "world_size": self.dist.world_size})
-            t0, n_img = time.perf_counter(), 0
-            while self.step < t.steps:
-                res = self.train_step()
-                self.log_window.append(res)
-                if res.diagnostics:
-                    log.write({"step": self.step, **res.diagnostics}, scalars=res.diagnostics)
-                n_img += t.batch_size
-                bar.update(1)
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    rec = log_record(self.step, self.log_window, self.optimizer, self.flop_report(), n_img,
-                                     time.perf_counter() - t0, t.batch_size, self.nonfinite, self.model)
-                    log.write(rec, scalars={f"train/{key}": rec[key] for key in
-                                            ("loss", "grad_norm", "lr", "images_per_sec") if rec[key] is not None})
-                    log.flush()
-                    bar.set_postfix(loss="skipped" if rec["loss"] is None else f"{rec['loss']:.4f}")
-                    self.log_window.clear()
-                    t0, n_img = time.perf_counter(), 0
-                if self.step % t.ckpt_every == 0 or self.step == t.steps:
-                    # Log lines up to this step must be on disk before the checkpoint that makes them final:
-                    # a resume from it never rewrites them.
-                    log.sync()
-                    self.save()  # every rank: it ends with a barrier
-                    if main:
-                        runs.plot_curves(self.run_dir)
-                if main and t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
-                    self._write_samples()
-                # Periodic eval, shared by all ranks (each samples its chunks; rank 0 gathers the features and
-                # scores them): its samples are those of a single-process run, whatever the number of processes.
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    log.write({"step": self.step, **self.evaluate()})
-                    log.flush()
-                if self.step < t.steps and stops.requested(self.dist, self.device):  # train/preemption.py
-                    log.sync()
-                    self.save()  # every rank; the window of unlogged steps goes into it
-                    raise stops.interrupted(self.step)
-        bar.close()
-        self.batches.close()  # nothing more to read ahead
-        if self._last_saved != self.step:  # decided from state every rank shares: save is collective
-            self.save()
-        if main:
-            self._write_samples()
-            runs.plot_curves(self.run_dir)
+        # The log (and the run's trackers, `runs/trackers.py`) stays open to the end: the last checkpoint's curves
+        # and the final samples go to the trackers too.
+        with runs.MetricsLog.for_run(self.run_dir, self.cfg, enabled=main) as log:
+            with StopSignals(t.stop_signals) as stops:
+                if fl["flops_per_step"] and self.step == 0:  # once per run: a resumed run keeps its record
+                    log.write({"step": self.step, "flops_per_step": fl["flops_per_step"],
+                               "peak_flops": fl["peak_flops"], "world_size": self.dist.world_size})
+                t0, n_img = time.perf_counter(), 0
+                while self.step < t.steps:
+                    res = self.train_step()
+                    self.log_window.append(res)
+                    if res.diagnostics:
+                        log.write({"step": self.step, **res.diagnostics})
+                    n_img += t.batch_size
+                    bar.update(1)
+                    if self.step % t.log_every == 0 or self.step == t.steps:
+                        rec = log_record(self.step, self.log_window, self.optimizer, self.flop_report(), n_img,
+                                         time.perf_counter() - t0, t.batch_size, self.nonfinite, self.model)
+                        log.write(rec)
+                        log.flush()
+                        bar.set_postfix(loss="skipped" if rec["loss"] is None else f"{rec['loss']:.4f}")
+                        self.log_window.clear()
+                        t0, n_img = time.perf_counter(), 0
+                    if self.step % t.ckpt_every == 0 or self.step == t.steps:
+                        # Log lines up to this step must be on disk before the checkpoint that makes them final:
+                        # a resume from it never rewrites them.
+                        log.sync()
+                        self.save()  # every rank: it ends with a barrier
+                        if main:
+                            runs.plot_curves(self.run_dir)
+                            log.log_image(self.step, "curves", self.run_dir / "curves.png")
+                    if main and t.sample_every and self.step % t.sample_every == 0 and self.step != t.steps:
+                        log.log_image(self.step, "samples", self._write_samples())
+                    # Periodic eval, shared by all ranks (each samples its chunks; rank 0 gathers the features and
+                    # scores them): its samples are those of a single-process run, whatever the number of processes.
+                    if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                        log.write({"step": self.step, **self.evaluate()})
+                        log.flush()
+                    if self.step < t.steps and stops.requested(self.dist, self.device):  # train/preemption.py
+                        log.sync()
+                        self.save()  # every rank; the window of unlogged steps goes into it
+                        log.interrupted()
+                        raise stops.interrupted(self.step)
+            bar.close()
+            self.batches.close()  # nothing more to read ahead
+            if self._last_saved != self.step:  # decided from state every rank shares: save is collective
+                self.save()
+            if main:
+                log.log_image(self.step, "samples", self._write_samples())
+                runs.plot_curves(self.run_dir)
+                log.log_image(self.step, "curves", self.run_dir / "curves.png")
         dist_utils.barrier(self.dist)  # nobody leaves (and tears the group down) while rank 0 still writes
         return {"step": self.step, "run_dir": str(self.run_dir)}
