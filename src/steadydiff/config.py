@@ -74,15 +74,15 @@ class ModelConfig:
     kappa: float = 0.5  # CS: LSC i (1 = outermost) is scaled by kappa**(i-1)
     ls_reduction: int = 16  # LS gate bottleneck ratio r
     channels: int = 64  # unet, edm2: base channel count (EDM2's model_channels)
-    channel_mult: list[int] = field(default_factory=lambda: [1, 2, 2])
+    channel_mult: list[int] = field(default_factory=lambda: [1, 2, 2])  # unet, edm2: width multiplier per level
     num_res_blocks: int = 2  # unet, edm2 (EDM2's num_blocks): blocks per level
-    attn_resolutions: list[int] = field(default_factory=lambda: [7])
+    attn_resolutions: list[int] = field(default_factory=lambda: [7])  # unet, edm2: self-attention at these sides
     num_heads: int = 4  # unet, uvit
     # unet: one GroupNorm group count for every norm (diffusers' `norm_num_groups`, so the run exports to
     # UNet2DModel exactly); null: the per-layer rule gcd(32, channels // 4) of earlier runs (unchanged weights).
     norm_groups: int | None = None
     channels_per_head: int = 64  # edm2: attention heads = channels // channels_per_head
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout in the residual blocks (per rank under DDP: equal in distribution)
     num_classes: int = 0  # > 0: class-conditional (label embedding added to the time embedding)
     # Classifier-free guidance training (Ho & Salimans 2022): each label is replaced by the null label with this
     # probability, so one network learns both the conditional and the unconditional denoiser.
