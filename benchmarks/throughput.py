@@ -32,6 +32,7 @@ import torch
 from steadydiff.config import load_config
 from steadydiff.diffusion import VPSDE
 from steadydiff.nn import build_model
+from steadydiff.train.flops import measure_peak_flops
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -153,6 +154,23 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction sets that decide bf16's speed on a CPU: with AVX-512 BF16 or AMX the bf16 matmul is native;
+# with AVX2 only PyTorch emulates it (the demo UNet trained ~10x slower than fp32 on an AVX2-only EPYC, issue 30).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_features() -> list[str]:
+    """The ISA_FLAGS this CPU reports in /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
@@ -191,6 +209,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, "
                    f"torch {torch.__version__}",
+        "cpu_features": cpu_features(),
+        "matmul_flops": {"fp32": measure_peak_flops("cpu", torch.float32),
+                         "bf16": measure_peak_flops("cpu", torch.bfloat16)},
         "batch": args.batch, "resolution": 28,
         "steadydiff_params": n_ours, "diffusers_params": n_theirs, "diffusers_base_channels": base,
         "unet_flops_per_step": flops,
@@ -202,6 +223,9 @@ def main() -> None:
     lines = [
         "# Training throughput: steadydiff vs reference implementations", "",
         f"- command: `{meta['command']}`", f"- date: {meta['date']}", f"- machine: {meta['machine']}",
+        f"- CPU features: {', '.join(meta['cpu_features']) or 'unknown'} (of {', '.join(ISA_FLAGS)}); peak matmul "
+        f"measured now: fp32 {meta['matmul_flops']['fp32'] / 1e9:.0f} GFLOP/s, bf16 "
+        f"{meta['matmul_flops']['bf16'] / 1e9:.0f} GFLOP/s",
         f"- batch {args.batch}, 28x28x1, one step = VP loss + backward + AdamW; medians of {args.rounds} "
         f"interleaved rounds of {args.steps} steps",
         f"- UNet parameters: steadydiff {n_ours:,}, diffusers {n_theirs:,} (base channels {base}); FLOPs per "
