@@ -236,7 +236,7 @@ class TrainConfig:
     eval_batch: int = resumable(256)
     # Network-evaluation budgets: each eval also samples at the most steps of sample_sampler within N evaluations
     # (heun counts 2 per step), written as eval/<metric>@nfe<N>; same seed for every budget. e.g. [10, 20, 50]
-    eval_nfe: list[int] = resumable(default_factory=list)
+    eval_nfe: list[int] = resumable(default_factory=list)  # NFE budgets, e.g. [10, 20, 50]; []: none
     threads: int | None = resumable(None)  # torch intra-op threads; null keeps torch's default
     # Speed switches. All off by default: none has been timed on a GPU yet (benchmarks/gpu_check.py measures
     # them); each leaves the losses equal to the plain step within fp32 round-off (tests/test_perf.py).
