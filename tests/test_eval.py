@@ -124,6 +124,14 @@ def test_periodic_eval_at_nfe_budgets_uses_the_same_seed(tmp_path):
     assert main(["eval", str(run), "--metric", "sw", "--n", "64", "--steps", "2", "--threads", "1"]) == 0
     assert json.loads((run / "eval.json").read_text())["metrics"]["sw"] == pytest.approx(ev["eval/sw@nfe3"],
                                                                                         rel=1e-9)
+    # `steadydiff eval --nfe` scores the same budgets the same way.
+    assert main(["eval", str(run), "--metric", "sw", "--n", "64", "--steps", "8", "--nfe", "3", "9",
+                 "--threads", "1"]) == 0
+    rec = json.loads((run / "eval.json").read_text())
+    assert [(r["nfe"], r["steps"]) for r in rec["nfe"]] == [(3, 2), (9, 8)]
+    assert rec["nfe"][0]["metrics"]["sw"] == pytest.approx(ev["eval/sw@nfe3"], rel=1e-9)
+    assert rec["nfe"][1]["metrics"]["sw"] == pytest.approx(rec["metrics"]["sw"], rel=1e-9)
+    assert main(["eval", str(run), "--metric", "sw", "--n", "8", "--nfe", "1"]) == 2  # dpmpp2m needs 2 at 1 step
 
 
 @pytest.mark.parametrize("overrides, needle", [
