@@ -108,3 +108,43 @@ def test_merge_chunks_restores_chunk_order_across_ranks():
         merge_chunks([{0: a}, {0: a}])
     with pytest.raises(ValueError, match="not 0..1"):
         merge_chunks([{0: a}, {2: c}])
+
+
+def test_periodic_eval_at_nfe_budgets_uses_the_same_seed(tmp_path):
+    """train.eval_nfe adds eval/<metric>@nfe<N> at the most sampler steps within N evaluations (dpmpp2m:
+    steps + 1), from the eval's seed: at NFE 9 that is sample_steps = 8 itself, so the values agree exactly."""
+    run = tmp_path / "run"
+    Trainer(load_config(None, TOY + ["train.steps=4", "train.eval_every=4", "train.eval_metrics=[sw]",
+                                     "train.eval_n=64", "train.eval_nfe=[3, 9]"]), run, show_progress=False).fit()
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    (ev,) = [r for r in rows if "eval/sw" in r]
+    assert {"eval/sw@nfe3", "eval/sw@nfe9"} <= set(ev)
+    assert ev["eval/sw@nfe9"] == ev["eval/sw"]
+    assert ev["eval/sw@nfe3"] != ev["eval/sw"]
+    assert main(["eval", str(run), "--metric", "sw", "--n", "64", "--steps", "2", "--threads", "1"]) == 0
+    assert json.loads((run / "eval.json").read_text())["metrics"]["sw"] == pytest.approx(ev["eval/sw@nfe3"],
+                                                                                        rel=1e-9)
+    # `steadydiff eval --nfe` scores the same budgets the same way.
+    assert main(["eval", str(run), "--metric", "sw", "--n", "64", "--steps", "8", "--nfe", "3", "9",
+                 "--threads", "1"]) == 0
+    rec = json.loads((run / "eval.json").read_text())
+    assert [(r["nfe"], r["steps"]) for r in rec["nfe"]] == [(3, 2), (9, 8)]
+    assert rec["nfe"][0]["metrics"]["sw"] == pytest.approx(ev["eval/sw@nfe3"], rel=1e-9)
+    assert rec["nfe"][1]["metrics"]["sw"] == pytest.approx(rec["metrics"]["sw"], rel=1e-9)
+    assert main(["eval", str(run), "--metric", "sw", "--n", "8", "--nfe", "1"]) == 2  # dpmpp2m needs 2 at 1 step
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.eval_nfe=[10]"], "train.eval_nfe needs train.eval_every > 0"),
+    (["train.eval_every=4", "train.eval_metrics=[sw]", "train.eval_nfe=[10, 0]"], "positive integers"),
+    (["train.eval_every=4", "train.eval_metrics=[sw]", "train.eval_nfe=[ten]"], "expected an integer"),
+])
+def test_eval_nfe_bad_values(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, TOY + overrides)
+
+
+def test_eval_nfe_below_one_step_fails_at_start(tmp_path):
+    cfg = load_config(None, TOY + ["train.eval_every=4", "train.eval_metrics=[sw]", "train.eval_nfe=[1]"])
+    with pytest.raises(ConfigError, match="dpmpp2m needs 2 network evaluations at 1 step"):
+        Trainer(cfg, tmp_path / "run", show_progress=False)

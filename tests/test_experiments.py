@@ -165,6 +165,10 @@ def _write_experiment(tmp_path, **changes):
     ({"seeds": "three"}, "seeds"),
     ({"claims": [{"name": "x", "arm": "cs", "kind": "speedup", "keys": ["loss"]}]}, "only on kind: final"),
     ({"base": "missing.yaml"}, "base config"),
+    ({"metric": {"key": "eval/fd_fmnst@nfe10"}}, "experiment metric: 'eval/fd_fmnst@nfe10' is not eval/<metric>"),
+    ({"metric": {"key": "eval/sw@nfe10"}}, r"eval/sw@nfe10 needs 10 in train.eval_nfe \(arm '\w+' has \[\]\)"),
+    ({"claims": [{"name": "x", "arm": "cs", "kind": "final", "keys": ["eval/sw@10"]}]},
+     r"claims\[0\] keys: 'eval/sw@10'"),
 ])
 def test_bad_experiment_files_fail_before_training(tmp_path, change, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -256,6 +260,35 @@ def test_compare_end_to_end_on_toy2d(tmp_path, capsys):
     assert "re-judged the claims from the stored results.json" in capsys.readouterr().out
     after = json.loads((out / "results.json").read_text())["claims"]
     assert [c["per_seed"] for c in after] == [c["per_seed"] for c in before]
+
+
+@pytest.mark.plots("plot_experiment")  # sw_vs_nfe.png
+def test_compare_with_nfe_budgets_claims_them_and_plots_metric_vs_nfe(tmp_path):
+    """train.eval_nfe: eval/<metric>@nfe<N> keys are an experiment's metric and a final claim's keys; the
+    report tabulates and plots the final value against NFE."""
+    from steadydiff.experiments.spec import metric_interval, split_nfe
+
+    base = yaml.safe_load(_write_experiment(tmp_path).read_text())["set"]
+    path = _write_experiment(
+        tmp_path, set={**base, "train.steps": 20, "train.eval_every": 20, "train.eval_n": 100,
+                       "train.eval_nfe": [3, 6], "train.ckpt_every": 20, "model.depth": 4, "model.hidden": 32},
+        sensitivity=False, metric={"key": "eval/sw@nfe6"},
+        claims=[{"name": "cs ends lower at NFE 3", "arm": "cs", "kind": "final", "keys": ["eval/sw@nfe3"]}])
+    exp = load_experiment(path)
+    assert split_nfe(exp.metric) == ("eval/sw", 6) and split_nfe("eval/sw") == ("eval/sw", None)
+    assert metric_interval(exp.run_config("org", 0), exp.metric) == 20
+    out = tmp_path / "out"
+    assert main(["compare", str(path), "--out", str(out), "--quiet"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["grid"] == [20] and res["nfe"]["eval/sw"]["nfe"] == [3, 6]
+    org = res["arms"]["org"]
+    assert org["final_per_seed"] == res["nfe"]["eval/sw"]["arms"]["org"]["6"]
+    assert org["final_of"]["eval/sw@nfe3"] == res["nfe"]["eval/sw"]["arms"]["org"]["3"]
+    (claim,) = res["claims"]
+    assert claim["verdict"] in ("holds", "does not hold", "inconclusive") and len(claim["per_seed"]) == 2
+    md = (out / "report.md").read_text()
+    assert "## Final eval/sw against network evaluations (NFE)" in md and "| arm | NFE 3 | NFE 6 |" in md
+    assert "![sw vs NFE](sw_vs_nfe.png)" in md and (out / "sw_vs_nfe.png").stat().st_size > 0
 
 
 def test_report_only_without_runs_is_a_clear_error(tmp_path, capsys):

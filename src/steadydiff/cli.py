@@ -137,7 +137,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .data import load_dataset
-    from .diffusion import check_guidance, check_sampler, guided, parse_guidance_interval, parse_guidance_weights
+    from .diffusion import (
+        check_guidance,
+        check_sampler,
+        guided,
+        parse_guidance_interval,
+        parse_guidance_weights,
+        steps_for_nfe,
+    )
     from .diffusion.latent import latent_decoder
     from .metrics.evaluate import evaluate, parse_metrics, plot_guidance_sweep
     from .runs import load_model
@@ -157,6 +164,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     interval = parse_guidance_interval(args.guidance_interval)
     guide = _load_guide(args)
     check_guidance(m, weights, args.class_label, guide, args.guide)
+    budgets = [(n, steps_for_nfe(m.formulation.kind, sampler, n, "--nfe")) for n in args.nfe]
+    if budgets and len(weights) > 1:
+        raise ConfigError("--nfe takes one --guidance weight; sweep the weights and the budgets in separate runs")
     if args.threads:
         torch.set_num_threads(args.threads)
     info, device = init_distributed(pick_device(args.device))
@@ -165,10 +175,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             dataset = load_dataset(cfg.data)
         model, guide = m.model.to(device), None if guide is None else guide.model.to(device)
         decode = latent_decoder(cfg.data, args.vae, device)  # None unless the run trained on a latent store
-        results = [evaluate(guided(model, guide, m.formulation, w, interval), m.formulation, cfg, dataset, metrics,
-                            args.n, sampler, args.steps, args.seed, device, clip=not args.no_clip, ref_n=args.ref_n,
+        def score(w: float, steps: int) -> dict[str, float]:
+            return evaluate(guided(model, guide, m.formulation, w, interval), m.formulation, cfg, dataset, metrics,
+                            args.n, sampler, steps, args.seed, device, clip=not args.no_clip, ref_n=args.ref_n,
                             batch=args.batch, dist_info=info, class_label=args.class_label, decode=decode)
-                   for w in weights]
+
+        results = [score(w, args.steps) for w in weights]
+        at_nfe = [{"nfe": n, "steps": steps, "metrics": score(weights[0], steps)} for n, steps in budgets]
         if info.is_main:
             record = {"step": m.step, "n": args.n, "sampler": sampler, "steps": args.steps, "seed": args.seed,
                       "batch": args.batch, "weights": "raw" if args.no_ema else "ema", "ref_n": args.ref_n,
@@ -179,10 +192,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             else:  # a sweep: the metrics against the weight, and their plot beside the JSON
                 record["sweep"] = [{"guidance": w, "metrics": r} for w, r in zip(weights, results)]
                 plot_guidance_sweep(record["sweep"], out.with_suffix(".png"))
+            if at_nfe:
+                record["nfe"] = at_nfe
             atomic_write_text(out, json.dumps(record, indent=2) + "\n")
             for w, res in zip(weights, results):
                 tag = f"guidance={w:g} " if len(weights) > 1 or w != 1 else ""
                 print(tag + " ".join(f"{k}={v:.5g}" for k, v in res.items()) + f"  -> {out}")
+            for r in at_nfe:
+                scores = " ".join(f"{k}={v:.5g}" for k, v in r["metrics"].items())
+                print(f"nfe={r['nfe']} (steps={r['steps']}) {scores}")
     finally:
         shutdown_distributed(info)
     return 0
@@ -432,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sampler", choices=sampler_names(),
                    help=f"{sampler_help()} (default: the run's train.sample_sampler)")
     e.add_argument("--steps", type=_count, default=50)
+    e.add_argument("--nfe", type=_count, nargs="+", default=[], metavar="N",
+                   help="network-evaluation budgets, e.g. --nfe 10 20 50: also score the sampler at the most steps "
+                   "within N evaluations each (heun: 2 steps - 1; VP: steps + 1), same seed; JSON key nfe")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--batch", type=_count, default=256, help="samples per chunk; each chunk has its own seed, and "
                    "under torchrun the chunks are shared out over the processes (default: 256)")

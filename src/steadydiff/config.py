@@ -234,6 +234,9 @@ class TrainConfig:
     eval_n: int = resumable(256)  # samples per periodic eval
     # Samples per sampling chunk (each chunk has its own seed); under torchrun the chunks are shared out.
     eval_batch: int = resumable(256)
+    # Network-evaluation budgets: each eval also samples at the most steps of sample_sampler within N evaluations
+    # (heun counts 2 per step), written as eval/<metric>@nfe<N>; same seed for every budget. e.g. [10, 20, 50]
+    eval_nfe: list[int] = resumable(default_factory=list)  # NFE budgets, e.g. [10, 20, 50]; []: none
     threads: int | None = resumable(None)  # torch intra-op threads; null keeps torch's default
     # Speed switches. All off by default: none has been timed on a GPU yet (benchmarks/gpu_check.py measures
     # them); each leaves the losses equal to the plain step within fp32 round-off (tests/test_perf.py).
@@ -274,6 +277,13 @@ class TrainConfig:
                               f"{self.eval_every}, {self.eval_n}, {self.eval_batch}")
         if self.eval_every and not self.eval_metrics:
             raise ConfigError("train.eval_every > 0 needs train.eval_metrics, e.g. [fd_fmnist] or [sw]")
+        if self.eval_nfe:
+            if any(n <= 0 for n in self.eval_nfe):
+                raise ConfigError(f"train.eval_nfe: expected a list of positive integers (network evaluations per "
+                                  f"sample), e.g. [10, 20, 50], got {self.eval_nfe}")
+            if not self.eval_every:
+                raise ConfigError("train.eval_nfe needs train.eval_every > 0 and train.eval_metrics (it adds budgets "
+                                  "to the periodic eval); set them or use eval_nfe: []")
         if self.peak_flops is not None and self.peak_flops < 0:
             raise ConfigError(f"train.peak_flops: must be > 0 (FLOP/s per device) or 0/null to measure, got "
                               f"{self.peak_flops}")

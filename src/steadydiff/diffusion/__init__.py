@@ -3,8 +3,11 @@ samplers, and `generate`: drawing samples from a trained model.
 
 A formulation owns the loss, the noise levels, the preconditioning wrapper (`wrap`) and its samplers
 (`samplers`: its SAMPLERS registry; `generate`); the trainer and the CLI reach samplers only through it.
+Each sampler module also declares every sampler's cost, `EVALUATIONS[name](steps)`: the network evaluations
+per sample at `steps` steps (the formulation's `evaluations`; `network_evaluations`, `steps_for_nfe`).
 """
 
+from ..utils.errors import ConfigError
 from ..utils.registry import Registry
 from ..utils.rng import draw_normal, draw_uniform
 from .edm import EDMFormulation, EDMPrecond, sample_euler, sample_heun
@@ -42,6 +45,27 @@ def check_sampler(kind: str, sampler: str, flag: str = "--sampler") -> None:
     FORMULATIONS.choose(kind).samplers.choose(sampler, flag)
 
 
+def network_evaluations(kind: str, sampler: str, steps: int) -> int:
+    """The network evaluations (NFE) per sample of formulation `kind`'s `sampler` at `steps` steps, as the
+    sampler module declares it (heun counts its corrector: 2 steps - 1)."""
+    f = FORMULATIONS.choose(kind)
+    f.samplers.choose(sampler)
+    return int(f.evaluations[sampler](int(steps)))
+
+
+def steps_for_nfe(kind: str, sampler: str, nfe: int, given: str = "train.eval_nfe") -> int:
+    """The most steps at which formulation `kind`'s `sampler` makes at most `nfe` network evaluations per
+    sample; a one-line ConfigError when even 1 step costs more (`given`: the key or flag that set `nfe`)."""
+    best = None
+    for steps in range(1, int(nfe) + 1):  # every sampler makes at least one evaluation per step
+        if network_evaluations(kind, sampler, steps) <= nfe:
+            best = steps
+    if best is None:
+        raise ConfigError(f"{given}: {kind} sampler {sampler} needs {network_evaluations(kind, sampler, 1)} network "
+                          f"evaluations at 1 step, more than the budget {nfe}; raise the budget")
+    return best
+
+
 def sampler_names() -> tuple[str, ...]:
     """Every sampler of every formulation, in registry order (the CLI's --sampler choices)."""
     return tuple(dict.fromkeys(s for f in FORMULATIONS.values() for s in f.samplers))
@@ -73,6 +97,7 @@ __all__ = [
     "generate_chunks",
     "guided",
     "merge_chunks",
+    "network_evaluations",
     "parse_guidance_interval",
     "parse_guidance_weights",
     "sample",
@@ -84,5 +109,6 @@ __all__ = [
     "sample_heun",
     "sampler_help",
     "sampler_names",
+    "steps_for_nfe",
     "time_grid",
 ]

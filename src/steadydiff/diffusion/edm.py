@@ -132,12 +132,17 @@ SAMPLERS: Registry[EDMSampler] = Registry("sampler", key="train.sample_sampler",
 SAMPLERS.add("heun", sample_heun)
 SAMPLERS.add("euler", sample_euler)
 
+# Network evaluations per sample at `steps` steps, one entry per SAMPLERS entry (diffusion.network_evaluations):
+# heun corrects every step but the last (to sigma = 0).
+EVALUATIONS: dict[str, Callable[[int], int]] = {"heun": lambda n: 2 * n - 1, "euler": lambda n: n}
+
 
 class EDMFormulation:
     """EDM training and sampling over a normalised noise level s (see module docstring)."""
 
     kind = "edm"
     samplers = SAMPLERS
+    evaluations = EVALUATIONS  # network evaluations per sample of each sampler at `steps` steps
     ode_sampler = "euler"  # deterministic and first order: what consistency checks sample with
 
     def __init__(self, sigma_data: float = 0.5, p_mean: float = -0.8, p_std: float = 1.6,

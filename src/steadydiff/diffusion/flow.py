@@ -198,12 +198,18 @@ SAMPLERS.add("euler", sample_euler)
 SAMPLERS.add("heun", sample_heun)
 SAMPLERS.add("em", sample_em)
 
+# Network evaluations per sample at `steps` steps, one entry per SAMPLERS entry (diffusion.network_evaluations):
+# heun corrects every step but the last (to t = 0).
+EVALUATIONS: dict[str, Callable[[int], int]] = {"euler": lambda n: n, "heun": lambda n: 2 * n - 1,
+                                                "em": lambda n: n}
+
 
 class FlowFormulation:
     """Flow matching over the normalised level s (see the module docstring)."""
 
     kind = "flow"
     samplers = SAMPLERS
+    evaluations = EVALUATIONS  # network evaluations per sample of each sampler at `steps` steps
     ode_sampler = "euler"  # deterministic and first order: what consistency checks sample with
     predictions = PREDICTIONS["flow"]
 
@@ -343,5 +349,5 @@ class FlowFormulation:
         return run(velocity, x_T, self.time_grid(steps), generator)
 
 
-__all__ = ["FlowFormulation", "FlowModel", "SAMPLERS", "TIME_INPUTS", "T_SAMPLINGS", "sample_em", "sample_euler",
-           "sample_heun", "shift_time"]
+__all__ = ["EVALUATIONS", "FlowFormulation", "FlowModel", "SAMPLERS", "TIME_INPUTS", "T_SAMPLINGS", "sample_em",
+           "sample_euler", "sample_heun", "shift_time"]

@@ -33,7 +33,8 @@ from ..utils.rng import draw_normal
 if TYPE_CHECKING:  # annotations only: vp.py builds on this module
     from .vp import VPSDE
 
-__all__ = ["EpsFn", "SAMPLERS", "ddim_on_grid", "sample", "sample_ddim", "sample_dpmpp2m", "sample_em", "time_grid"]
+__all__ = ["EVALUATIONS", "EpsFn", "SAMPLERS", "ddim_on_grid", "sample", "sample_ddim", "sample_dpmpp2m", "sample_em",
+           "time_grid"]
 
 EpsFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -182,6 +183,11 @@ SAMPLERS: Registry[VPSampler] = Registry("sampler", key="train.sample_sampler", 
 SAMPLERS.add("em", sample_em)
 SAMPLERS.add("ddim", sample_ddim)
 SAMPLERS.add("dpmpp2m", sample_dpmpp2m)
+
+# Network evaluations per sample at `steps` steps, one entry per SAMPLERS entry (diffusion.network_evaluations):
+# one per step, plus the final denoise at t_end.
+EVALUATIONS: dict[str, Callable[[int], int]] = {"em": lambda n: n + 1, "ddim": lambda n: n + 1,
+                                                "dpmpp2m": lambda n: n + 1}
 
 
 def sample(

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from ..config import PREDICTIONS, DiffusionConfig
 from ..utils.errors import ConfigError
 from ..utils.rng import draw_normal, draw_uniform
-from .samplers import SAMPLERS, clip_denoised
+from .samplers import EVALUATIONS, SAMPLERS, clip_denoised
 
 __all__ = ["VPSDE", "draw_normal", "draw_uniform"]
 
@@ -83,6 +83,7 @@ class VPSDE:
     time_scale: float = 999.0  # the network sees 999 t (U-ViT convention)
     kind = "vp"
     samplers = SAMPLERS
+    evaluations = EVALUATIONS  # network evaluations per sample of each sampler at `steps` steps
     ode_sampler = "ddim"  # deterministic and first order: what consistency checks sample with
 
     def __init__(self, beta_min: float = 0.1, beta_max: float = 20.0, t_eps: float = 1e-5, prediction: str = "eps",

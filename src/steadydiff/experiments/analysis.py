@@ -23,7 +23,7 @@ from .inference import ALPHA, familywise_error, holm, judge_ratios
 from .prereg import NOT_RECORDED, PRE_REGISTERED, claim_status
 from .regime import regime, tied_horizons
 from .runner import read_result, run_dir
-from .spec import TARGETS, Experiment
+from .spec import TARGETS, Experiment, split_nfe
 from .speedup import fill_diverged, mean_curve, time_shift
 
 
@@ -89,6 +89,37 @@ def final_values(exp: Experiment, out: Path) -> dict[str, dict[str, list[float]]
                 _, vals = series(rows, k)
                 v = float(vals[-1]) if ok and vals else worst
                 res[arm][k].append(v if math.isfinite(v) else worst)
+    return res
+
+
+def nfe_finals(exp: Experiment, out: Path) -> dict[str, dict[str, Any]]:
+    """For each `eval/<metric>` the runs logged at network-evaluation budgets (`eval/<metric>@nfe<N>`, from
+    train.eval_nfe): {"eval/<metric>": {"nfe": [N, ...], "arms": {arm: {N: per-seed last values}}}}, a
+    diverged run or a missing value counted as the worst value, as in `final_values`; {} when none."""
+    worst = math.inf if exp.lower_is_better else -math.inf
+    rows = {(arm, s): read_metrics(run_dir(out, arm, s)) for arm in exp.arms for s in exp.seeds}
+    found: dict[str, set[int]] = {}
+    for rs in rows.values():
+        for r in rs:
+            for k in r:
+                base, nfe = split_nfe(k)
+                if nfe is not None:
+                    found.setdefault(base, set()).add(nfe)
+    res: dict[str, dict[str, Any]] = {}
+    for base, budgets in sorted(found.items()):
+        nfes = sorted(budgets)
+        arms: dict[str, dict[int, list[float]]] = {}
+        for arm in exp.arms:
+            arms[arm] = {}
+            for n in nfes:
+                vals = []
+                for s in exp.seeds:
+                    ok = read_result(out, arm, s)["status"] == "ok"
+                    _, v = series(rows[arm, s], f"{base}@nfe{n}")
+                    x = float(v[-1]) if ok and v else worst
+                    vals.append(x if math.isfinite(x) else worst)
+                arms[arm][n] = vals
+        res[base] = {"nfe": nfes, "arms": arms}
     return res
 
 
@@ -166,9 +197,12 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def _time_shifts(grid: list[int], base: np.ndarray, arm: np.ndarray, lower: bool) -> dict[str, Any]:
-    """Time-shift speed-ups at each target fraction: on the seed-mean curves, and per paired seed."""
+    """Time-shift speed-ups at each target fraction: on the seed-mean curves, and per paired seed. A target
+    before the first evaluation (e.g. a grid of the final step only) has none."""
     out = {}
     for name, frac in TARGETS.items():
+        if frac * grid[-1] < grid[0]:
+            continue
         mean = time_shift(grid, mean_curve(base), mean_curve(arm), frac, lower)
         seeds = [time_shift(grid, b, a, frac, lower) for b, a in zip(base, arm)]
         out[name] = {**mean, "per_seed": [s["forward"] for s in seeds],
@@ -235,6 +269,7 @@ def analyse(exp: Experiment, out: Path, command: str = "", report_command: str =
         "registration": claim_status(exp, out), "calibration": read_calibration(out),
         "machine": machine_info(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s_total": float(sum(a["wall_s"] for a in arms.values())),
+        "nfe": nfe_finals(exp, out),
     }
     report["claims"] = judge_claims(exp, report)
     atomic_write_text(out / "results.json", json.dumps(_json_safe(report), indent=1) + "\n")

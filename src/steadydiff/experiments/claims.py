@@ -114,7 +114,9 @@ class SpeedupClaim(ClaimKind):
     def judge(self, claim, arm, versus, rep):
         if claim.target_value is not None:
             return self._judge_level(claim, arm, versus, rep)
-        ts = arm["time_shift"][claim.target]
+        ts = arm["time_shift"].get(claim.target)
+        if ts is None:  # the target lies before the first evaluation (`claims_that_cannot_hold` says so at load)
+            return Evidence(None, more=True, note=f"no evaluation at or before target {claim.target}")
         ev = Evidence(None, more=True, value=ts["forward"],
                       extra={"mean_curve": {k: ts[k] for k in ("forward", "forward_flag", "reverse", "reverse_flag")}})
         if ts.get("per_seed") is None:  # `rerender` of results stored without per-seed curves

@@ -185,6 +185,27 @@ def _calibration_lines(rep: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _nfe_lines(rep: dict[str, Any]) -> list[str]:
+    """Per metric logged at network-evaluation budgets (train.eval_nfe): per arm and NFE, the median over seeds
+    of the final value, then the per-seed values; and its plot."""
+    lines: list[str] = []
+    for key, d in (rep.get("nfe") or {}).items():
+        nfes = d["nfe"]
+        lines += ["", f"## Final {key} against network evaluations (NFE)", "",
+                  f"Each run's last `{key}@nfe<N>`: its sampler at the most steps within N network evaluations "
+                  "(train.eval_nfe), same sampling seed at every N. Median over seeds (per-seed values).", "",
+                  "| arm | " + " | ".join(f"NFE {n}" for n in nfes) + " |", "|---|" + "---|" * len(nfes)]
+        for arm, per in d["arms"].items():
+            cells = []
+            for n in nfes:
+                vals = [_num(v) for v in per.get(str(n), per.get(n, []))]
+                cells.append(f"{_f(float(np.median(vals)), 4)} ({', '.join(_f(v, 4) for v in vals)})" if vals else "-")
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        name = key.removeprefix("eval/")
+        lines += ["", f"![{name} vs NFE]({name}_vs_nfe.png)"]
+    return lines
+
+
 def write_markdown(rep: dict[str, Any], out: Path) -> str:
     m = rep["machine"]
     # lead.md: the authors' current answer, written when a later experiment supersedes these runs (a held-out
@@ -260,6 +281,7 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         for name, a in rep["arms"].items():
             if "sensitivity" in a:
                 lines.append(f"| {name} | " + " | ".join(_f(a["sensitivity"]["per_t"].get(t)) for t in ts) + " |")
+    lines += _nfe_lines(rep)
     lines += _calibration_lines(rep)
     lines += ["", "## Plots", "", "![metric vs steps](metric.png)", "", "![stability](stability.png)", ""]
     reading = out / "reading.md"  # the authors' reading of the results, written after the runs, kept as it is
@@ -329,4 +351,32 @@ def plot_experiment(exp: Experiment, rep: dict[str, Any], out: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     atomic_write(out / "stability.png", lambda p: fig.savefig(p, format="png"))
+    plt.close(fig)
+    for key, d in (rep.get("nfe") or {}).items():
+        _plot_nfe(plt, key, d, out / f"{key.removeprefix('eval/')}_vs_nfe.png")
+
+
+def _plot_nfe(plt, key: str, d: dict[str, Any], path: Path) -> None:
+    """<metric>_vs_nfe.png: the final value against NFE (log x), a line per arm through the seed medians, the
+    seeds as faint points."""
+    nfes = [int(n) for n in d["nfe"]]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for arm, per in d["arms"].items():
+        vals = [[_num(v) for v in per.get(str(n), per.get(n, []))] for n in nfes]
+        med = np.array([np.median(v) if v else math.nan for v in vals])
+        ok = np.isfinite(med)
+        (line,) = ax.plot(np.array(nfes)[ok], med[ok], marker="o", lw=1.5, label=arm)
+        xs = [n for n, v in zip(nfes, vals) for x in v if math.isfinite(x)]
+        ys = [x for v in vals for x in v if math.isfinite(x)]
+        ax.scatter(xs, ys, color=line.get_color(), alpha=0.3, s=10)
+    ax.set_xscale("log")
+    ax.set_xticks(nfes, [str(n) for n in nfes])
+    ax.minorticks_off()
+    ax.set_xlabel("network evaluations per sample (NFE)")
+    ax.set_ylabel(f"final {key}")
+    ax.set_title(f"final {key} vs NFE\n(line: median over seeds, points: seeds)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, format="png"))
     plt.close(fig)

@@ -38,6 +38,7 @@ through the grid and read the final val/loss or val/ema_loss (diagnostics.val_ev
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,34 @@ def calibrated_metrics(exp: Experiment) -> list[str]:
             raise ConfigError(f"experiment calibrate: cannot calibrate {m!r}; calibration re-measures eval/<metric> "
                               f"({', '.join(METRICS)}), val/loss or val/ema_loss")
     return metrics
+
+
+_NFE_KEY = re.compile(r"^(eval/[^@]+)@nfe(\d+)$")
+
+
+def split_nfe(key: str) -> tuple[str, int | None]:
+    """`eval/fd_fmnist@nfe10` -> ("eval/fd_fmnist", 10): a periodic-eval key at a network-evaluation budget
+    (train.eval_nfe); any other key -> (key, None)."""
+    m = _NFE_KEY.match(key)
+    return (m.group(1), int(m.group(2))) if m else (key, None)
+
+
+def _check_eval_key(key: str, exp: Experiment, extra: list[str] | None, where: str) -> None:
+    """An eval/ key names a metric of METRICS, as `eval/<metric>` or `eval/<metric>@nfe<N>` with N one of every
+    arm's train.eval_nfe; a one-line ConfigError otherwise. Other keys (val/, probe/, loss) are not checked."""
+    if not key.startswith("eval/"):
+        return
+    base, nfe = split_nfe(key)
+    name = base.removeprefix("eval/")
+    if name not in METRICS or ("@" in key and nfe is None):
+        raise ConfigError(f"{where}: {key!r} is not eval/<metric> or eval/<metric>@nfe<N> with a metric of "
+                          f"{', '.join(METRICS)}")
+    if nfe is not None:
+        for arm in exp.arms:
+            budgets = exp.run_config(arm, exp.seeds[0], extra).train.eval_nfe
+            if nfe not in budgets:
+                raise ConfigError(f"{where}: {key} needs {nfe} in train.eval_nfe (arm {arm!r} has {budgets}); add it "
+                                  "to the experiment's set:")
 
 
 def _mapping(value: Any, key: str) -> dict[str, Any]:
@@ -231,6 +260,10 @@ def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bo
             exp.run_config(arm, seeds[0], extra)
         except ConfigError as e:
             raise ConfigError(f"experiment arm {arm!r}: {e}") from e
+    _check_eval_key(exp.metric, exp, extra, "experiment metric")
+    for i, c in enumerate(claims):
+        for k in c.keys or []:
+            _check_eval_key(k, exp, extra, f"experiment claims[{i}] keys")
     if lr_range is not None:
         _check_lr_range(exp, extra)
     exp.unreachable = claims_that_cannot_hold(exp, extra)
@@ -301,7 +334,10 @@ def claims_that_cannot_hold(exp: Experiment, extra: list[str] | None = None) -> 
         elif c.kind == "speedup" and c.target_value is None:
             interval = metric_interval(cfg, exp.metric) or cfg.train.steps
             cap = speedup_cap(cfg.train.steps, interval, TARGETS[c.target])
-            if c.threshold >= cap:
+            if TARGETS[c.target] * cfg.train.steps < min(interval, cfg.train.steps):
+                out[c.name] = (f"{where}: target {c.target} lies before the first evaluation of {exp.metric} (step "
+                               f"{interval}); evaluate more often or use a later target")
+            elif c.threshold >= cap:
                 out[c.name] = (f"{where}: a speed-up above {c.threshold:g} at target {c.target} can never be shown: "
                                f"with {cfg.train.steps} steps evaluated every {interval} the grid reports at most "
                                f"{cap:.3g} there (larger values are bounds); use an earlier target, more budget, or "

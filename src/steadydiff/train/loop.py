@@ -31,7 +31,7 @@ from .. import runs
 from ..config import Config
 from ..data import load_dataset
 from ..diagnostics.monitors import Monitor, RunContext, build_monitors
-from ..diffusion import build_formulation, check_sampler
+from ..diffusion import build_formulation, check_sampler, steps_for_nfe
 from ..nn import build_model
 from ..utils import distributed as dist_utils
 from ..utils.device import pick_device
@@ -68,6 +68,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.show_progress = show_progress
         check_sampler(cfg.diffusion.kind, cfg.train.sample_sampler, "train.sample_sampler")
+        for nfe in cfg.train.eval_nfe:  # a budget below the sampler's cost of one step fails now, not at the eval
+            steps_for_nfe(cfg.diffusion.kind, cfg.train.sample_sampler, nfe)
         runs.check_run_dir(self.run_dir, cfg)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..diagnostics.base import RunContext
-from ..diffusion import generate
+from ..diffusion import generate, steps_for_nfe
 from ..utils.images import save_samples
 from .state import StepResult
 from .timesteps import level_histogram
@@ -58,12 +58,21 @@ def sample_run(ctx: RunContext, n: int, sampler: str, steps: int, seed: int, use
 
 
 def periodic_eval(ctx: RunContext, dist_info, decode=None) -> dict[str, float]:
-    """Quick eval of the EMA weights (train.eval_metrics on train.eval_n samples), keys `eval/<metric>`.
+    """Quick eval of the EMA weights (train.eval_metrics on train.eval_n samples), keys `eval/<metric>` at
+    train.sample_steps, and `eval/<metric>@nfe<N>` for each budget N of train.eval_nfe, at the most steps of
+    train.sample_sampler within N network evaluations (`diffusion.steps_for_nfe`), all from the same seed.
     Collective under DDP: every rank draws its share of the samples; rank 0 gets the metrics, others {}."""
     from ..metrics.evaluate import evaluate
 
     t = ctx.cfg.train
-    res = evaluate(ctx.ema_model, ctx.formulation, ctx.cfg, ctx.dataset, t.eval_metrics, t.eval_n, t.sample_sampler,
-                   t.sample_steps, seed=t.seed, device=ctx.device, clip=t.sample_clip, batch=t.eval_batch,
-                   dist_info=dist_info, decode=decode)
-    return {f"eval/{k}": v for k, v in res.items()}
+
+    def run(steps: int) -> dict[str, float]:
+        return evaluate(ctx.ema_model, ctx.formulation, ctx.cfg, ctx.dataset, t.eval_metrics, t.eval_n,
+                        t.sample_sampler, steps, seed=t.seed, device=ctx.device, clip=t.sample_clip,
+                        batch=t.eval_batch, dist_info=dist_info, decode=decode)
+
+    out = {f"eval/{k}": v for k, v in run(t.sample_steps).items()}
+    for nfe in t.eval_nfe:
+        steps = steps_for_nfe(ctx.formulation.kind, t.sample_sampler, nfe)
+        out.update({f"eval/{k}@nfe{nfe}": v for k, v in run(steps).items()})
+    return out
