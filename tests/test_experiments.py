@@ -469,3 +469,28 @@ def test_every_committed_experiment_file_loads_and_configures_every_run(path):
     for arm in exp.arms:
         cfg = exp.run_config(arm, exp.seeds[0])
         assert cfg.train.seed == exp.seeds[0]
+
+
+@pytest.mark.parametrize("name,depth", [("scalelong-edge-uvit-s2", 12), ("scalelong-edge-uvit-s2-d16", 16),
+                                        ("edm2-edge-cifar10", None)])
+def test_the_gpu_edge_files_are_at_the_papers_scale(name, depth):
+    """The GPU edge files (issue 28 item 4, run by benchmarks/gpu_evidence.py --stage edge) load strictly and ask
+    for what their descriptions pre-register: the CIFAR-10 store, batch 128, bf16, no clipping, a constant LR,
+    5,000 steps, six seeds for the sign tests, Holm; U-ViT-S/2 at its depth, or EDM2's MP UNet vs no MP at width
+    128."""
+    from pathlib import Path
+
+    exp = load_experiment(Path(__file__).parents[1] / "experiments" / f"{name}.yaml")
+    assert exp.lr_range is not None and len(exp.seeds) >= 6 and exp.multiplicity == "holm" and exp.paper
+    assert "NOT RUN YET" in exp.description
+    for arm in exp.arms:
+        cfg = exp.run_config(arm, exp.seeds[0], ["train.lr=1e-3"])
+        d, m, t = cfg.data, cfg.model, cfg.train
+        assert (d.name, d.root, d.resolution) == ("store", "stores/cifar10", 32)
+        assert (t.batch_size, t.bf16, t.grad_clip, t.lr_schedule, t.steps) == (128, True, None, "constant", 5000)
+        if depth:
+            assert (m.backbone, m.embed_dim, m.patch_size, m.num_heads, m.depth) == ("uvit", 512, 2, 8, depth)
+            assert (tuple(t.betas), t.weight_decay) == ((0.99, 0.999), 0.03)
+        else:
+            assert m.backbone == ("unet" if arm == "no-mp" else "edm2") and m.channels == 128
+            assert (tuple(t.betas), t.weight_decay, m.num_classes) == ((0.9, 0.99), 0.0, 0)

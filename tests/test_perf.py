@@ -270,3 +270,30 @@ def test_gpu_evidence_runs_in_tiny_cpu_mode(tmp_path, capsys):
     assert len(res["claims"]) == 9 and all(c["registration"] == "pre-registered" for c in res["claims"])
     assert set(res["arms"]) == {"org", "cs-0.5", "ls"} and res["seeds"] == [0, 1]
     assert (out / "uvit-s-diagnose" / "stability.md").exists()
+
+
+@pytest.mark.slow
+def test_gpu_evidence_edge_stage_runs_lr_range_in_tiny_cpu_mode(tmp_path, capsys):
+    """`gpu_evidence.py --stage edge` at toy size on the CPU (a random 64-image 32x32 RGB store built by the
+    script): `steadydiff lr-range` on the U-ViT-S/2 and EDM2 edge files (2 seeds, 2 LRs, 4 steps), every arm's
+    report; a second call trains nothing (finished runs are kept) and only writes the reports again."""
+    ev = _bench_module("gpu_evidence")
+    out = tmp_path / "ev"
+    args = ["--tiny", "--device", "cpu", "--stage", "edge", "--minutes", "6", "--out", str(out)]
+    assert ev.main(args) == 0, "".join(capsys.readouterr())
+    assert all(p.is_file() for p in ev.EDGE)  # the depth-16 file too (the smoke test leaves it out)
+    arms = {"scalelong-edge-uvit-s2": {"org", "inv-sqrt2", "cs-0.5", "cs-0.8", "ls"},
+            "edm2-edge-cifar10": {"no-mp", "mp", "mp-cs-0.5"}}
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: v["exit"] for k, v in summary["status"].items()} == {f"edge-{n}": 0 for n in arms}
+    for name, expected in arms.items():
+        rep = json.loads((out / f"edge-{name}" / "lr_range.json").read_text())
+        assert set(rep["arms"]) == expected and rep["seeds"] == [1, 2] and len(rep["lrs"]) == 2
+        assert all(set(a["seeds"]) == {"1", "2"} for a in rep["arms"].values())
+        assert rep["config"]["data"]["name"] == "store" and rep["config"]["data"]["resolution"] == 32
+        assert rep["claims"] and all(c["registration"] == "pre-registered" for c in rep["claims"])
+        assert summary["edge"][f"edge-{name}"]["finished"] == summary["edge"][f"edge-{name}"]["total"] == \
+            len(expected) * 2 * 2
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("edge-*/runs/**/*") if p.is_file()}
+    assert ev.main(args) == 0, "".join(capsys.readouterr())
+    assert stamps == {p: p.stat().st_mtime_ns for p in out.glob("edge-*/runs/**/*") if p.is_file()}

@@ -297,6 +297,9 @@ def plot_lr_range(rep: dict[str, Any], out: Path) -> None:
         axes[1].plot(lrs, smed, color=color, lw=1.5, label=name)
     for ax in axes:
         ax.set_xscale("log")
+        # The grid's range, set: a panel whose points are all nan (no spike fraction: too few logged points after
+        # the warm-up) has no data limits, and a log axis cannot take the default (0, 1).
+        ax.set_xlim(lrs[0] / 1.5, lrs[-1] * 1.5)
         ax.set_xlabel("learning rate")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
