@@ -135,3 +135,16 @@ def test_minimum_detectable_ratio_shrinks_with_seeds():
     target = math.log(minimum_detectable_ratio(sd, n))
     power = np.mean([t_test_p(rng.normal(target, sd, n)) < 0.05 for _ in range(2000)])
     assert 0.74 <= power <= 0.86, power
+
+
+def test_an_inconclusive_claim_whose_seeds_all_tie_says_so_instead_of_a_power_figure():
+    """Max stable LRs equal on every seed (ratio 1 x 6): the spread is 0, so '80% power at ratio 1' would be
+    vacuous; the verdict says the seeds tie. A spread > 0 still gives the detectable ratio."""
+    from steadydiff.experiments.report import _verdict
+
+    tied = {**judge_ratios([1.0] * 6, 1.0, claim_more=True, test="sign"), "claim": "more", "test": "sign"}
+    assert tied["verdict"] == "inconclusive" and tied["sd_log"] == 0
+    assert _verdict(tied) == "**inconclusive (all 6 seeds give the same ratio)**"
+    spread = {**judge_ratios([1.0] * 5 + [1 / 3], 1.0, claim_more=True, test="sign"), "claim": "more",
+              "test": "sign"}
+    assert "detects a true ratio >=" in _verdict(spread)

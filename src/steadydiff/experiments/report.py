@@ -67,8 +67,11 @@ def _verdict(c: dict[str, Any]) -> str:
     if c.get("verdict_note"):
         extra.append(c["verdict_note"])
     if verdict == "inconclusive" and c.get("n", 0):
-        det = _num(c.get("detectable"))
-        if math.isfinite(det) and det > 0 and math.isfinite(_num(c.get("sd_log"))):
+        det, sd = _num(c.get("detectable")), _num(c.get("sd_log"))
+        if sd == 0:  # every seed the same ratio (a grid quantity, e.g. max stable LRs all equal): no spread to
+            # size a power statement by, and nothing a test could reject "ratio = threshold" with at the threshold
+            extra.append(f"all {c['n']} seeds give the same ratio")
+        elif math.isfinite(det) and det > 0 and math.isfinite(sd):
             extra.append(f"detects a true ratio {'>=' if c.get('claim') == 'more' else '<='} {_f(det)} with 80% power")
         elif c.get("n_bound", 0) == 0 and c.get("n", 0) < min_seeds(c.get("test", "t")):
             extra.append(f"the {c.get('test')} test cannot reject at n={c['n']}")
