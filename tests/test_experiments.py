@@ -494,3 +494,29 @@ def test_the_gpu_edge_files_are_at_the_papers_scale(name, depth):
         else:
             assert m.backbone == ("unet" if arm == "no-mp" else "edm2") and m.channels == 128
             assert (tuple(t.betas), t.weight_decay, m.num_classes) == ((0.9, 0.99), 0.0, 0)
+
+
+@pytest.mark.plots
+def test_plot_series_draws_each_arms_seeds_from_their_metrics(tmp_path):
+    """experiments/plot_series.py: the series read back from metrics.jsonl are the logged ones (rows without the
+    key skipped), one panel per arm, a PNG written; a directory without runs is one line and exit 2."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "experiments" / "plot_series.py"
+    spec = importlib.util.spec_from_file_location("plot_series", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for arm, scale in (("a", 1.0), ("b", 2.0)):
+        for seed in (1, 2):
+            run = tmp_path / "exp" / "runs" / arm / f"seed-{seed}"
+            run.mkdir(parents=True)
+            rows = [{"step": s, "loss": 9.0} if s % 2 else {"step": s, "val/loss": scale * seed / s}
+                    for s in range(1, 9)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps, values = mod.read_series(tmp_path / "exp" / "runs" / "b" / "seed-2" / "metrics.jsonl", "val/loss")
+    assert steps == [2, 4, 6, 8] and values == [2.0, 1.0, 4 / 6, 0.5]
+    png = tmp_path / "val.png"
+    assert mod.main([str(tmp_path / "exp"), "--png", str(png)]) == 0 and png.stat().st_size > 1000
+    (tmp_path / "empty" / "runs").mkdir(parents=True)
+    assert mod.main([str(tmp_path / "empty"), "--png", str(png)]) == 2
