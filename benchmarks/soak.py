@@ -53,6 +53,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 SRC = ROOT.parent / "src"
+sys.path.insert(0, str(ROOT))
+from dist_soak import workers_of  # noqa: E402  (a sibling script: the torchrun workers of a run, from /proc)
+
 DELAY_ENV = "STEADYDIFF_TEST_CKPT_WRITE_DELAY"
 KINDS = ("startup", "step", "ckpt")
 
@@ -296,22 +299,6 @@ def soak(workdir: Path, kills: int, steps: int, ckpt_every: int, seed: int, dela
 
 MOMENTS = ("startup", "step", "ckpt")  # single process; under torchrun, step and ckpt (see `signal_soak`)
 TARGETS = ("rank0", "rank1", "group")  # torchrun: one rank, or the whole process group as Slurm signals a step
-
-
-def workers_of(run: Path) -> dict[int, int]:
-    """{rank: pid} of the live torchrun workers training `run` (their command line and environment in /proc)."""
-    found = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            cmd = (p / "cmdline").read_bytes().split(b"\0")
-            env = dict(kv.split(b"=", 1) for kv in (p / "environ").read_bytes().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if str(run).encode() in cmd and b"LOCAL_WORLD_SIZE" in env and b"RANK" in env:
-            found[int(env[b"RANK"])] = int(p.name)
-    return found
 
 
 def _signal_once(cmd, env, run: Path, moment: str, rng: random.Random, ckpt_every: int, delay: float, err: Path,

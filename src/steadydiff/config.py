@@ -541,11 +541,12 @@ def config_from_dict(data: dict[str, Any] | None) -> Config:
     return cfg
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_dict(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (config keys as `--set` spells them)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_dict(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -563,7 +564,7 @@ def config_differences(a: Config, b: Config) -> list[str]:
     """`key: old -> new` for every difference that would change the training trajectory (fields marked
     `resumable` may differ: outputs, monitors, speed switches)."""
     free = resumable_keys()
-    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    fa, fb = flatten_dict(a.to_dict()), flatten_dict(b.to_dict())
     return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in fa if fa.get(k) != fb.get(k) and k not in free]
 
 

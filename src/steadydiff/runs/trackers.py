@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
+from ..config import Config, flatten_dict
 from ..utils.errors import ConfigError
 from ..utils.io import atomic_write_text
 from ..utils.registry import Registry
@@ -236,7 +236,7 @@ class MlflowTracker(Tracker):
                                              ).info.run_id
         store_ids(run.dir, "mlflow", {"run_id": self.run_id, "experiment_id": eid, "tracking_uri": uri})
         # Params once, at the run's creation: MLflow refuses a changed param, and resumable fields may change.
-        params = [Param(k, str(v)[:6000]) for k, v in _flatten(run.config or {}).items()]
+        params = [Param(k, str(v)[:6000]) for k, v in flatten_dict(run.config or {}).items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 
@@ -259,16 +259,6 @@ class MlflowTracker(Tracker):
 
     def close(self, status: str = "finished") -> None:
         self.client.set_terminated(self.run_id, status=self.STATUS[status])
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # The tracker kinds (`diagnostics.trackers`): a class with `load()` (import its package, or a one-line
