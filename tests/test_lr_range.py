@@ -25,7 +25,10 @@ from steadydiff.experiments.lr_rule import (
     judge_grid,
     lr_sensitivity,
     max_stable_lr,
+    judge_ramp,
     parse_lr_range,
+    ramp_lr,
+    suggest_grid,
 )
 from steadydiff.experiments.spec import Claim, load_experiment
 
@@ -173,7 +176,12 @@ def _lr(**block):
     (_lr(lrs=[1.0e-4, "fast"]), [], "'fast' is not a learning rate"),
     (_lr(rule={"factr": 2}), [], "lr_range.rule: unknown key factr; valid: factor, k, window"),
     (_lr(rule={"factor": 0.5}), [], "rule.factor: must be a number > 1"),
-    (_lr(mode="ramp"), [], "ramp"),
+    (_lr(mode="ramps"), [], "lr_range.mode: 'ramps'; choose one of grid, ramp"),
+    (_lr(mode="ramp", lrs=[1.0e-4, 1.0e-3, 1.0e-2]), [], "mode ramp sweeps from the first LR to the last; give "
+                                                         "exactly two"),
+    ({**_lr(mode="ramp"), "arms": {"ok": {}, "broken": {"train.lr_schedule": "cosine"}}}, [],
+     "arms.broken: sets train.lr_schedule, which mode ramp sets"),
+    (_lr(mode="ramp"), [], "a ramp (lr_range.mode: ramp) places a grid and makes no claims"),
     ({"lr_range": {"lrs": [1.0e-4], "grid": 1}}, [], "lr_range: unknown key grid"),
     ({"arms": {"ok": {}, "broken": {"train.lr": 1.0e-3}}}, [], "arms.broken: sets train.lr"),
     ({"set": {**_spec()["set"], "train.lr": 1.0e-3}}, [], "experiment set: sets train.lr"),
@@ -321,3 +329,95 @@ def test_lr_range_end_to_end_on_toy2d(tmp_path, capsys, monkeypatch):
     assert main(["lr-range", str(path), "--out", str(tmp_path / "none"), "--report-only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "8 of 8 runs have not finished" in err[0] and "without --report-only" in err[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mode: ramp (Smith's range test)
+
+
+def test_the_exp_ramp_schedule_is_the_closed_form_geometric_ramp():
+    from steadydiff.config import TrainConfig
+    from steadydiff.train.schedules import build_lr_schedule
+
+    t = TrainConfig(lr=1e-4, lr_ramp_end=1.0, lr_schedule="exp_ramp", warmup_steps=0, steps=101)
+    lrs = np.array([t.lr * build_lr_schedule(t)(k) for k in range(101)], dtype=np.float64)
+    # lr_k = 1e-4 * 10^(4 k / 100): one decade every 25 steps, exactly.
+    assert np.allclose(lrs, 1e-4 * 10.0 ** (4 * np.arange(101) / 100), rtol=1e-12)
+    assert lrs[0] == pytest.approx(1e-4) and lrs[-1] == pytest.approx(1.0)
+    assert [ramp_lr(1e-4, 1.0, 101, k) for k in (0, 25, 100)] == pytest.approx([1e-4, 1e-3, 1.0])
+    with pytest.raises(Exception, match="train.lr_ramp_end: must be > 0"):
+        TrainConfig(lr_ramp_end=0.0).check()
+
+
+def _ramp(val, **kw):
+    steps = [10 * (i + 1) for i in range(len(val))]
+    at = [1e-4 * 10.0 ** (i / 2) for i in range(len(val))]
+    return judge_ramp(steps, val, at, Rule(), top_lr=at[-1], **kw), at
+
+
+def test_ramp_rule_on_a_clean_a_degrading_a_diverged_a_spiky_and_an_early_edge():
+    clean, at = _ramp([1.0, 0.6, 0.4, 0.35, 0.34])
+    assert clean.edge_step is None and clean.bound == LOWER and clean.max_stable_lr == at[-1]
+    assert clean.best_lr == at[4] and clean.best_val == 0.34
+    # Falls to 0.3 at point 2, then 0.5 (< 1.5 x 0.3, still stable), then 0.9 (> 1.5 x 0.3): the edge.
+    worse, at = _ramp([1.0, 0.6, 0.3, 0.44, 0.9, 2.0])
+    assert worse.edge_step == 50 and "0.9 > 1.5 x the lowest before it 0.3" in worse.reason
+    assert worse.max_stable_lr == at[3] and worse.bound == "" and worse.best_lr == at[2]
+    gone, at = _ramp([1.0, 0.6, 0.4], diverged_at=25)
+    assert gone.edge_step == 25 and gone.max_stable_lr == at[1] and gone.reason == "diverged at step 25"
+    nonfinite, at = _ramp([1.0, 0.6, math.nan])
+    assert nonfinite.edge_step == 30 and nonfinite.max_stable_lr == at[1]
+    steps, loss = _loss(spike_at=12)  # a spike at step 26, between the validation points at 20 and 30
+    spiky, at = _ramp([1.0, 0.6, 0.4, 0.3], loss_steps=steps, loss=loss)
+    assert spiky.edge_step == 26 and "trailing median at step 26" in spiky.reason and spiky.max_stable_lr == at[1]
+    early, _ = _ramp([1.0, 0.6], diverged_at=3)
+    assert early.max_stable_lr is None and early.bound == UPPER and early.best_lr is None
+
+
+def test_suggested_grid_brackets_every_best_lr_and_edge_on_the_half_decade_ladder():
+    assert suggest_grid([0.004, 0.01], [0.03, 0.05]) == [0.003, 0.01, 0.03, 0.1]
+    assert suggest_grid([1e-3], [1e-3]) == [1e-3, 3e-3]
+    assert suggest_grid([2e-4, None], [0.3, None]) == [1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0]
+    assert suggest_grid([None], [None]) == []
+
+
+def test_lr_range_ramp_end_to_end_on_toy2d(tmp_path, capsys, monkeypatch):
+    """One ramp per (arm, seed): the healthy arm's LR follows the exponential ramp in its log and gets a max
+    stable LR and best LR on the ramp; the broken arm's edge is its divergence; a re-run trains nothing."""
+    from steadydiff.experiments import runner
+
+    spec = _spec(claims=[], seeds=[0], **_lr(mode="ramp", lrs=[1.0e-3, 1.0]))
+    spec["set"] = {**spec["set"], "train.steps": 40, "diagnostics.val_every": 4}
+    path, out = tmp_path / "ramp.yaml", tmp_path / "out"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["lr-range", str(path), "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "ok: max stable LR" in printed and "broken: max stable LR" in printed
+    dirs = sorted(str(p.parent.relative_to(out)) for p in out.glob("runs/*/*/*/result.json"))
+    assert dirs == ["runs/broken/ramp/seed-0", "runs/ok/ramp/seed-0"]
+    cfg = yaml.safe_load((out / "runs/ok/ramp/seed-0/config.yaml").read_text())["train"]
+    assert (cfg["lr_schedule"], cfg["lr"], cfg["lr_ramp_end"], cfg["warmup_steps"]) == ("exp_ramp", 1e-3, 1.0, 0)
+    rows = [json.loads(ln) for ln in (out / "runs/ok/ramp/seed-0/metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["lr"]) for r in rows if "lr" in r]
+    assert len(logged) >= 10
+    # The logged LR at step s is that of the update just taken (step s - 1), on the closed-form ramp.
+    assert all(lr == pytest.approx(1e-3 * 1000.0 ** ((s - 1) / 39), rel=1e-6) for s, lr in logged)
+    res = json.loads((out / "lr_range.json").read_text())
+    assert res["rule"]["mode"] == "ramp" and res["claims"] == []
+    ok, broken = res["arms"]["ok"]["seeds"]["0"], res["arms"]["broken"]["seeds"]["0"]
+    val = [(r["step"], r["val/loss"]) for r in rows if "val/loss" in r]
+    assert ok["curve"]["step"] == [s for s, _ in val] and ok["curve"]["val"] == [v for _, v in val]
+    assert ok["curve"]["lr"] == pytest.approx([1e-3 * 1000.0 ** ((s - 1) / 39) for s, _ in val])
+    lowest = min(v for s, v in val if ok["edge_step"] is None or s < ok["edge_step"])
+    assert ok["best_final"] == lowest and ok["best_lr"] in ok["curve"]["lr"]
+    assert broken["reason"] == "diverged at step 5" and broken["edge_step"] == 5
+    assert broken["max_stable_lr"] == pytest.approx(1e-3 * 1000.0 ** (3 / 39))  # its one point, step 4
+    grid = res["suggested_grid"]
+    assert grid and grid[0] <= min(ok["best_lr"], broken["best_lr"]) and grid[-1] > ok["max_stable_lr"]
+    md = (out / "lr_range.md").read_text()
+    assert "Suggested grid" in md and "diverged at step 5" in md and "| lr | ramp 0.001 -> 1 (exponential) |" in md
+    assert (out / "lr_range.png").stat().st_size > 0
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/**/*") if p.is_file()}
+    monkeypatch.setattr(runner, "train_one", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained again")))
+    assert main(["lr-range", str(path), "--out", str(out), "--quiet"]) == 0
+    assert stamps == {p: p.stat().st_mtime_ns for p in out.glob("runs/**/*") if p.is_file()}

@@ -203,6 +203,7 @@ class TrainConfig:
     warmup_steps: int = 100
     lr_schedule: str = registered("constant")  # train/schedules.py LR_SCHEDULES
     lr_ref_steps: int = 35000  # inv_sqrt: t_ref, the step where the 1/sqrt decay starts (EDM2)
+    lr_ramp_end: float = 1.0  # exp_ramp: the LR at the last step (Smith's range test, from train.lr)
     timesteps: str = registered("base")  # train/timesteps.py; base: the formulation's own draw of the level
     clts_mu: float = 0.3  # CLTS Gaussian centre on the normalised noise level (paper's best)
     clts_sigma: float = 0.2  # CLTS Gaussian width: not known from the paper, sweep it
@@ -259,6 +260,9 @@ class TrainConfig:
                   sample_n=self.sample_n, sample_steps=self.sample_steps, lr_ref_steps=self.lr_ref_steps)
         if self.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        if not self.lr_ramp_end > 0:
+            raise ConfigError(f"train.lr_ramp_end: must be > 0 (the LR at the last step of exp_ramp), got "
+                              f"{self.lr_ramp_end}")
         if any(not 0 < s < SIGMA_REL_MAX for s in self.ema_sigma_rels):
             raise ConfigError(f"train.ema_sigma_rels: each must be in (0, {SIGMA_REL_MAX:.4f}) (1/sqrt(12), EDM2 "
                               f"Eq. 123), got {self.ema_sigma_rels}")

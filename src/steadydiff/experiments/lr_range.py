@@ -11,7 +11,8 @@ ends), the best LR and its final validation loss, and the LR sensitivity; the cl
 Outputs: `lr_range.json` ({"arms": {ARM: {"seeds": {SEED: {"max_stable_lr", "best_lr", "final": {LR: value},
 ...}}}}, "config": the resolved base config, "rule": ...}), `lr_range.png` (final validation loss against LR
 per arm, and the gradient-norm spike fraction) and `lr_range.md` (the tables, the regime beside the paper's,
-the verdicts). With `report_only` nothing trains: the finished runs are judged again.
+the verdicts). With `report_only` nothing trains: the finished runs are judged again. `mode: ramp` (Smith's
+range test, one run per arm and seed with a rising LR) is the same flow with `lr_ramp.py`'s jobs and outputs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..utils.io import atomic_write, atomic_write_text, read_json
 from .analysis import ExperimentError, _json_safe, judge_claims, machine_info
 from .compare import COMMAND_FILE, launch_options, publish_report
 from .launch import LaunchOptions, plan_lines
+from .lr_ramp import analyse_ramp, plot_ramp, ramp_jobs, ramp_summary_lines, write_ramp_markdown
 from .lr_rule import RunOutcome, best_lr, judge_grid, lr_sensitivity, lr_tag, max_stable_lr
 from .prereg import FILE as PREREG_FILE
 from .prereg import claim_status, record
@@ -317,11 +319,27 @@ def plot_lr_range(rep: dict[str, Any], out: Path) -> None:
 
 def summary_lines(rep: dict[str, Any]) -> list[str]:
     """One line per arm for the terminal: max stable LR and best LR per seed."""
+    if rep["rule"].get("mode") == "ramp":
+        return ramp_summary_lines(rep)
     lowest = rep["lrs"][0]
     return [f"{name}: max stable LR " + ", ".join(_bound_text(x["max_stable_lr"], x["max_stable_lr_bound"], lowest,
                                                                why=False) for x in a["seeds"].values())
             + "; best LR " + ", ".join(_f(x["best_lr"]) for x in a["seeds"].values())
             for name, a in rep["arms"].items()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What one `lr_range.mode` trains and writes: its jobs, its analysis, its markdown and its plot."""
+
+    jobs: Callable[[Experiment, Path], list[Job]]
+    analyse: Callable[..., dict[str, Any]]
+    markdown: Callable[[dict[str, Any], Path], str]
+    plot: Callable[[dict[str, Any], Path], None]
+
+
+MODES = {"grid": Mode(grid_jobs, analyse_grid, write_markdown, plot_lr_range),
+         "ramp": Mode(ramp_jobs, analyse_ramp, write_ramp_markdown, plot_ramp)}
 
 
 def lr_range(experiment: str | Path, out: str | Path, overrides: list[str], argv: list[str], *,
@@ -335,10 +353,11 @@ def lr_range(experiment: str | Path, out: str | Path, overrides: list[str], argv
     if exp.lr_range is None:
         raise ConfigError(f"experiment {experiment} has no lr_range: block; add lr_range: {{lrs: [1.0e-4, 3.0e-4, "
                           "1.0e-3]}, or run it with `steadydiff compare`")
-    out = Path(out)
-    launch = launch_options(exp, out, overrides, launch, [[lr_override(lr)] for lr in exp.lr_range.lrs[:1]])
+    out, mode = Path(out), MODES[exp.lr_range.mode]
+    jobs = mode.jobs(exp, out)
+    launch = launch_options(exp, out, overrides, launch, [list(jobs[0].overrides)])
     if launch.dry_run:
-        for line in plan_lines(unfinished(grid_jobs(exp, out)), launch, exp.name):
+        for line in plan_lines(unfinished(jobs), launch, exp.name):
             say(line)
         return None
     command = "steadydiff " + " ".join(shlex.quote(a) for a in argv)
@@ -352,13 +371,13 @@ def lr_range(experiment: str | Path, out: str | Path, overrides: list[str], argv
         elif not (out / PREREG_FILE).exists():
             say(f"{out} already holds runs and no {PREREG_FILE}: the claims are 'not recorded' (register claims by "
                 "running a new experiment into an empty --out)")
-        run_jobs(exp, grid_jobs(exp, out), overrides, workers=workers, show_progress=show_progress,
-                 desc="lr-range runs", launch=launch)
+        run_jobs(exp, jobs, overrides, workers=workers, show_progress=show_progress,
+                 desc=f"lr-range {exp.lr_range.mode} runs", launch=launch)
     elif ran_by.is_file():
         command, report_command = ran_by.read_text().strip(), command
-    rep = analyse_grid(exp, out, overrides, command, report_command)
+    rep = mode.analyse(exp, out, overrides, command, report_command)
     write_json(rep, out)
-    plot_lr_range(rep, out)
-    write_markdown(rep, out)
-    publish_report(exp, out, [*overrides, lr_override(exp.lr_range.lrs[0])], [out / f for f in FILES])
+    mode.plot(rep, out)
+    mode.markdown(rep, out)
+    publish_report(exp, out, [*overrides, *jobs[0].overrides], [out / f for f in FILES])
     return rep

@@ -3,7 +3,7 @@
     lr_range:
       lrs: [1.0e-4, 3.0e-4, 1.0e-3, 3.0e-3]   # the grid: positive, strictly increasing
       rule: {factor: 1.5, k: 3, window: 50}   # the instability rule (these are its defaults)
-      mode: grid
+      mode: grid                              # or ramp: Smith's range test, to place a grid quickly
 
 The grid trains every (arm, LR, seed) as an ordinary run; the rule and the grid are part of the design that
 `prereg.py` records before anything trains, like the claims. For one arm and seed, a run is **unstable** when
@@ -30,6 +30,16 @@ From the verdicts over the grid:
   in log LR); L(lr) the final validation loss at lr, L* the best of them over the grid, L0 the validation loss
   of the untrained network on the same set. A diverged run counts as L0. 0 means every LR reaches the best
   loss; L0 - L* means only one does.
+
+**mode: ramp** (Smith 2017, "Cyclical learning rates", arXiv 1506.01186, Sec. 3.3): one run per (arm, seed)
+whose LR rises exponentially from the grid's first LR at step 0 to its last at the final step (the LR schedule
+`exp_ramp`, no warm-up), scored on the validation set every `diagnostics.val_every` steps. A validation point
+at step s is read at the LR of the step before it (the last update it saw). The ramp's **edge** is the first of:
+the run diverged; a validation point above `factor` times the lowest one before it; a training-loss spike as
+in 3. Its max stable LR is the LR of the last validation point before the edge (">=" the top LR when there is
+no edge; null, "<=" the first point's LR, when the edge comes before any point), its best LR that of the lowest
+validation point before the edge. A ramp is a scan to place a grid, not a test: it makes no claims, because a
+ramp's LR and training time move together (a later point has both a larger LR and more steps behind it).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import numpy as np
 from ..diagnostics.stats import spike_indices
 from ..utils.errors import ConfigError
 
-MODES = ("grid",)
+MODES = ("grid", "ramp")
 LOWER, UPPER, EXACT = ">=", "<=", ""  # the bound a max stable LR is: at the grid's top, at its bottom, a value
 
 
@@ -132,10 +142,11 @@ def parse_lr_range(raw: Any) -> LRRange:
             raise ConfigError(f"{where}.rule.window: must be an integer >= 1 (points), got {w!r}")
         rule["window"] = w
     mode = str(raw.get("mode", "grid"))
-    if mode == "ramp":
-        raise ConfigError(f"{where}.mode: ramp (Smith's range test) is not implemented yet; use mode: grid")
     if mode not in MODES:
         raise ConfigError(f"{where}.mode: {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "ramp" and len(values) != 2:
+        raise ConfigError(f"{where}.lrs: mode ramp sweeps from the first LR to the last; give exactly two, like "
+                          f"[1.0e-4, 1.0], got {len(values)}")
     return LRRange(tuple(values), Rule(**rule), mode)
 
 
@@ -230,3 +241,79 @@ def lr_sensitivity(finals: Sequence[float], init_loss: float) -> float:
         return math.nan
     best = min(ok)
     return float(np.mean([min(f if math.isfinite(f) else init_loss, init_loss) - best for f in finals]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mode: ramp
+
+
+def ramp_lr(lr_start: float, lr_end: float, steps: int, step: float) -> float:
+    """The LR of `exp_ramp` at optimiser step `step` (0-based) of a `steps`-step run (`train/schedules.py`)."""
+    return lr_start * (lr_end / lr_start) ** min(1.0, step / max(1, steps - 1))
+
+
+@dataclass
+class RampVerdict:
+    """One ramp run, judged (module docstring): its edge and why, the max stable and best LR."""
+
+    edge_step: int | None  # the step where the edge was found (None: no edge)
+    reason: str
+    max_stable_lr: float | None
+    bound: str
+    best_lr: float | None
+    best_val: float
+
+
+def judge_ramp(val_steps: Sequence[int], val: Sequence[float], lrs_at: Sequence[float], rule: Rule, *,
+               diverged_at: int | None = None, loss_steps: Sequence[int] = (), loss: Sequence[float] = (),
+               top_lr: float) -> RampVerdict:
+    """The ramp's verdict from its validation points (`val` at `val_steps`, read at the LRs `lrs_at`), its
+    divergence step and its logged training loss. `top_lr`: the ramp's last LR (the censoring bound)."""
+    edges: list[tuple[int, str]] = []
+    if diverged_at is not None:
+        edges.append((int(diverged_at), f"diverged at step {diverged_at}"))
+    lowest = math.inf
+    for s, v in zip(val_steps, val):
+        if not math.isfinite(v):
+            edges.append((int(s), f"non-finite validation loss at step {s}"))
+            break
+        if v > rule.factor * lowest:
+            edges.append((int(s), f"validation loss {v:.4g} > {rule.factor:g} x the lowest before it {lowest:.4g} at "
+                                  f"step {s}"))
+            break
+        lowest = min(lowest, v)
+    if len(loss):
+        spikes = spike_indices(np.asarray(loss, dtype=np.float64), k=rule.k, window=rule.window, warmup=0,
+                               steps=np.asarray(loss_steps, dtype=np.float64))
+        if spikes:
+            s = int(loss_steps[spikes[0]])
+            edges.append((s, f"training loss above {rule.k:g}x its trailing median at step {s}"))
+    edge, reason = min(edges) if edges else (None, "no edge: stable to the ramp's top")
+    before = [(v, lr) for s, v, lr in zip(val_steps, val, lrs_at) if (edge is None or s < edge) and math.isfinite(v)]
+    if not before:
+        return RampVerdict(edge, reason, None, UPPER, None, math.inf)
+    best_val, best = min(before)
+    if edge is None:
+        return RampVerdict(None, reason, top_lr, LOWER, best, best_val)
+    return RampVerdict(edge, reason, before[-1][1], EXACT, best, best_val)
+
+
+def suggest_grid(best_lrs: Sequence[float | None], max_stable: Sequence[float | None]) -> list[float]:
+    """A grid to run next: the half-decade points (1 and 3 x 10^k) from the one at or below the smallest best LR
+    to the first above the largest max stable LR, so the grid brackets every arm's best LR and edge."""
+    lows = [x for x in best_lrs if x]
+    highs = [x for x in max_stable if x]
+    if not lows or not highs:
+        return []
+
+    def ladder(k: int) -> float:  # ..., 1e-3, 3e-3, 1e-2, ... indexed by k
+        return float(f"{(1.0 if k % 2 == 0 else 3.0) * 10.0 ** (k // 2):.3g}")
+
+    k = math.floor(2 * math.log10(min(lows))) - 1
+    while ladder(k + 1) <= min(lows):
+        k += 1
+    grid = [ladder(k)]
+    while grid[-1] <= max(highs):
+        k += 1
+        grid.append(ladder(k))
+    return grid

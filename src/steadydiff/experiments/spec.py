@@ -273,6 +273,7 @@ def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bo
 
 
 LR_KEY = "train.lr"
+RAMP_KEYS = ("train.lr_schedule", "train.lr_ramp_end")  # what a ramp sets in every run (`lr_ramp.ramp_overrides`)
 VALIDATION_METRICS = ("val/loss", "val/ema_loss")
 
 
@@ -284,6 +285,13 @@ def _check_lr_range(exp: Experiment, extra: list[str] | None) -> None:
         if LR_KEY in keys:
             raise ConfigError(f"experiment {where}: sets {LR_KEY}, which the lr_range grid sets in every run; remove "
                               "it (put the learning rates in lr_range.lrs)")
+        ramp_key = next((k for k in RAMP_KEYS if k in keys), None)
+        if exp.lr_range.mode == "ramp" and ramp_key:
+            raise ConfigError(f"experiment {where}: sets {ramp_key}, which mode ramp sets in every run; remove it "
+                              "(the ramp runs from lr_range.lrs[0] to lrs[-1])")
+    if exp.lr_range.mode == "ramp" and exp.claims:
+        raise ConfigError("experiment claims: a ramp (lr_range.mode: ramp) places a grid and makes no claims (its LR "
+                          "and training time rise together); move the claims to the grid experiment it places")
     unused = [k for k, v in (("sensitivity", exp.sensitivity), ("calibrate", exp.calibrate)) if v]
     if unused:
         raise ConfigError(f"experiment {unused[0]}: `steadydiff lr-range` does not measure it; remove it from the "

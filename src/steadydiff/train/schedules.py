@@ -67,13 +67,36 @@ class InverseSqrt:
         return _warmup(step, self.warmup_steps) / math.sqrt(max(step / self.ref_steps, 1.0))
 
 
+@dataclass
+class ExponentialRamp:
+    """Smith's LR range test (Smith 2017, arXiv 1506.01186, Sec. 3.3): the LR rises exponentially from train.lr
+    at step 0 to `end_ratio` x train.lr at the last step, lr_k = lr_0 * end_ratio ** (k / (total_steps - 1)), so
+    every decade of LR gets the same number of steps. `steadydiff lr-range` with `mode: ramp` runs it (no warm-up:
+    the ramp starts small)."""
+
+    warmup_steps: int
+    total_steps: int
+    end_ratio: float
+    horizon_key = None  # the ramp ends at train.steps
+    horizon_name = "LR ramp length (train.steps)"
+
+    @property
+    def horizon(self) -> int:
+        return self.total_steps
+
+    def __call__(self, step: int) -> float:
+        frac = min(1.0, step / max(1, self.total_steps - 1))
+        return _warmup(step, self.warmup_steps) * self.end_ratio ** frac
+
+
 # train.lr_schedule -> the schedule, built from a TrainConfig.
 LR_SCHEDULES = Registry("LR schedule", key="train.lr_schedule")
 LR_SCHEDULES.add("constant", lambda t: WarmupConstant(t.warmup_steps))
 LR_SCHEDULES.add("cosine", lambda t: WarmupCosine(t.warmup_steps, t.steps))
 LR_SCHEDULES.add("inv_sqrt", lambda t: InverseSqrt(t.warmup_steps, t.lr_ref_steps))
+LR_SCHEDULES.add("exp_ramp", lambda t: ExponentialRamp(t.warmup_steps, t.steps, t.lr_ramp_end / t.lr))
 
 
-def build_lr_schedule(cfg) -> WarmupConstant | WarmupCosine | InverseSqrt:
+def build_lr_schedule(cfg) -> WarmupConstant | WarmupCosine | InverseSqrt | ExponentialRamp:
     """From a TrainConfig: the schedule `lr_schedule` names (LR_SCHEDULES)."""
     return LR_SCHEDULES.choose(cfg.lr_schedule)(cfg)
