@@ -73,6 +73,25 @@ def test_rule_on_a_diverged_a_stalled_a_spiky_and_a_clean_run():
     assert not judge_grid([_run(1e-4, 0.2, curve=_loss(spike_at=20, height=2.9))], Rule(k=2.0))[0].stable
 
 
+def test_the_trained_condition_catches_a_seed_that_collapses_everywhere():
+    """The d12 report's weak spot: a seed whose best run reached only 0.69 of L0 = 1.1 and whose larger LRs all
+    sat at the collapse level 1.0 (< 1.5 x 0.69) was stable to the grid's top. With trained: 0.5 the runs at and
+    above the best LR that stayed above 0.5 x L0 did not train; one below the best LR is slow."""
+    runs = [_run(3e-3, 0.90), _run(1e-2, 0.692), _run(3e-2, 1.008), _run(1e-1, 0.962), _run(3e-1, 1.0)]
+    assert [v.stable for v in judge_grid(runs, Rule(), 1.101)] == [True] * 5
+    v = judge_grid(runs, Rule(trained=0.5), 1.101)
+    assert [x.stable for x in v] == [True, False, False, False, False] and v[0].slow
+    assert v[1].reasons == ["did not train: final 0.692 > 0.5 x L0 1.101"]
+    assert max_stable_lr([r.lr for r in runs], [x.stable for x in v]) == (3e-3, "")
+    # L0 unknown: the condition is skipped, the rest of the rule unchanged.
+    assert [x.stable for x in judge_grid(runs, Rule(trained=0.5))] == [True] * 5
+    # A seed that trained is untouched by it.
+    good = [_run(1e-2, 0.20), _run(3e-2, 0.15), _run(1e-1, 0.21)]
+    assert [x.stable for x in judge_grid(good, Rule(trained=0.5), 1.0)] == [True] * 3
+    assert "trained" not in parse_lr_range({"lrs": [1.0e-3]}).design()["rule"]
+    assert parse_lr_range({"lrs": [1.0e-3], "rule": {"trained": 0.5}}).design()["rule"]["trained"] == 0.5
+
+
 def test_a_slow_run_below_the_best_lr_is_marked_not_unstable():
     v = judge_grid([_run(1e-5, 0.9), _run(1e-4, 0.2), _run(1e-3, 0.9)], Rule())
     assert [(x.stable, x.slow) for x in v] == [(True, True), (True, False), (False, False)]
@@ -174,8 +193,9 @@ def _lr(**block):
     (_lr(lrs=[0.0, 1.0e-4]), [], "must be > 0"),
     (_lr(lrs=[-1.0e-3]), [], "must be > 0"),
     (_lr(lrs=[1.0e-4, "fast"]), [], "'fast' is not a learning rate"),
-    (_lr(rule={"factr": 2}), [], "lr_range.rule: unknown key factr; valid: factor, k, window"),
+    (_lr(rule={"factr": 2}), [], "lr_range.rule: unknown key factr; valid: factor, k, window, trained"),
     (_lr(rule={"factor": 0.5}), [], "rule.factor: must be a number > 1"),
+    (_lr(rule={"trained": 1.5}), [], "rule.trained: must be a number in (0, 1)"),
     (_lr(mode="ramps"), [], "lr_range.mode: 'ramps'; choose one of grid, ramp"),
     (_lr(mode="ramp", lrs=[1.0e-4, 1.0e-3, 1.0e-2]), [], "mode ramp sweeps from the first LR to the last; give "
                                                          "exactly two"),

@@ -12,7 +12,6 @@ against the LR), `lr_range.png` (validation and training loss against the LR, ed
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -97,7 +96,7 @@ def analyse_ramp(exp: Experiment, out: Path, extra: list[str] | None = None, com
         "experiment": exp.name, "description": exp.description, "source": str(exp.source), "command": command,
         "report_command": report_command, "metric": exp.metric, "lower_is_better": exp.lower_is_better,
         "baseline": exp.baseline, "seeds": exp.seeds, "lrs": list(lrs),
-        "rule": {**dataclasses.asdict(rule), "mode": "ramp"}, "config": cfg.to_dict(), "arms": arms,
+        "rule": {**rule.as_dict(), "mode": "ramp"}, "config": cfg.to_dict(), "arms": arms,
         "suggested_grid": suggest_grid([x["best_lr"] for x in every], [x["max_stable_lr"] for x in every]),
         "regime": _ramp_regime(exp, out, cfg), "paper": exp.paper, "registration": claim_status(exp, out),
         "machine": machine_info(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

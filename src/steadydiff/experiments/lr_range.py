@@ -146,12 +146,12 @@ def analyse_grid(exp: Experiment, out: Path, extra: list[str] | None = None, com
         for s in exp.seeds:
             judged = [_run_outcome(exp, out, arm, lr, s, extra, results[arm, s, (lr_override(lr),)]) for lr in lrs]
             outcomes = [o for o, _ in judged]
-            verdicts = judge_grid(outcomes, rule)
+            l0 = init_loss(exp, out, arm, s, extra)
+            verdicts = judge_grid(outcomes, rule, l0)
             stable = [v.stable for v in verdicts]
             finals = [o.final for o in outcomes]
             top, bound = max_stable_lr(lrs, stable)
             blr, bfinal = best_lr(lrs, finals, stable)
-            l0 = init_loss(exp, out, arm, s, extra)
             seeds[str(s)] = {
                 "max_stable_lr": top, "max_stable_lr_bound": bound, "best_lr": blr, "best_final": bfinal,
                 "final": {lr_tag(o.lr): o.final for o in outcomes},
@@ -175,7 +175,7 @@ def analyse_grid(exp: Experiment, out: Path, extra: list[str] | None = None, com
         "experiment": exp.name, "description": exp.description, "source": str(exp.source), "command": command,
         "report_command": report_command, "metric": exp.metric, "lower_is_better": exp.lower_is_better,
         "baseline": exp.baseline, "seeds": exp.seeds, "lrs": list(lrs),
-        "rule": {**dataclasses.asdict(rule), "mode": exp.lr_range.mode}, "config": config, "arms": arms,
+        "rule": {**rule.as_dict(), "mode": exp.lr_range.mode}, "config": config, "arms": arms,
         "regime": _grid_regime(exp, out, base_cfg), "paper": exp.paper, "registration": claim_status(exp, out),
         "machine": machine_info(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s_total": float(sum(r.get("wall_s", 0.0) for r in results.values())),
@@ -229,7 +229,9 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         f"validation loss is above {rule['factor']:g}x the best of its arm and seed over the grid at a larger LR "
         f"than the best one (a run that much worse at a smaller LR is *slow*, not unstable), or when its training "
         f"loss after the warm-up has a point above {rule['k']:g}x the trailing median of its {rule['window']} "
-        "predecessors. Max stable LR: the largest LR with it and every smaller LR stable (at the grid's top only a "
+        "predecessors" + (f", or (it did not train) its final validation loss is above {rule['trained']:g}x L0, the "
+                           "untrained network's" if rule.get("trained") is not None else "")
+        + ". Max stable LR: the largest LR with it and every smaller LR stable (at the grid's top only a "
         "lower bound; unstable at the smallest LR, an upper bound). Best LR: the stable LR with the lowest final "
         "loss. LR sensitivity (Wortsman et al. 2023): the mean over the grid of min(L(lr), L0) - L*, with L0 the "
         "untrained network's validation loss (a diverged run counts as L0).",

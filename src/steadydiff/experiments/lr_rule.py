@@ -2,7 +2,7 @@
 
     lr_range:
       lrs: [1.0e-4, 3.0e-4, 1.0e-3, 3.0e-3]   # the grid: positive, strictly increasing
-      rule: {factor: 1.5, k: 3, window: 50}   # the instability rule (these are its defaults)
+      rule: {factor: 1.5, k: 3, window: 50}   # the instability rule (these are its defaults; trained: off)
       mode: grid                              # or ramp: Smith's range test, to place a grid quickly
 
 The grid trains every (arm, LR, seed) as an ordinary run; the rule and the grid are part of the design that
@@ -16,7 +16,10 @@ The grid trains every (arm, LR, seed) as an ordinary run; the rule and the grid 
    `slow`, not unstable, so that a grid starting at too small an LR still has a stable range;
 3. its logged training loss (`loss`, one point per `train.log_every` steps) at steps >= `train.warmup_steps`
    has a spike: a point above `k` times the trailing median of the (up to) `window` points before it, once it
-   has 5 of them (`diagnostics.stats.spike_indices`, the rule documented there).
+   has 5 of them (`diagnostics.stats.spike_indices`, the rule documented there);
+4. (only with `rule.trained: f`) it did not train: its final validation loss is above f x L0, the validation
+   loss of the untrained network on the same set (below the best LR such a run is `slow`, as in 2). Without
+   it, a seed whose every LR collapses to the same poor loss would be "stable" everywhere.
 
 From the verdicts over the grid:
 
@@ -66,6 +69,13 @@ class Rule:
     factor: float = 1.5  # unstable above this many times the best final validation loss (above the best LR)
     k: float = 3.0  # a training-loss spike: above k x its trailing median
     window: int = 50  # points in the trailing median
+    # A run "did not train" when its final validation loss is above trained x L0 (the untrained network's); off
+    # when None. Without it a seed whose every LR collapses to the same poor loss counts as stable everywhere.
+    trained: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The rule as recorded: `trained` only when set, so files written before it existed keep their design."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not (k == "trained" and v is None)}
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,7 @@ class LRRange:
 
     def design(self) -> dict[str, Any]:
         """What the pre-registration records of it (`prereg.design_hash`)."""
-        return {"lrs": list(self.lrs), "rule": dataclasses.asdict(self.rule), "mode": self.mode}
+        return {"lrs": list(self.lrs), "rule": self.rule.as_dict(), "mode": self.mode}
 
 
 def lr_tag(lr: float) -> str:
@@ -130,6 +140,12 @@ def parse_lr_range(raw: Any) -> LRRange:
     if bad:
         raise ConfigError(f"{where}.rule: unknown key {bad[0]}; valid: {', '.join(names)}")
     rule = {}
+    if rule_raw.get("trained") is not None:
+        x = _number(rule_raw["trained"])
+        if x is None or not 0 < x < 1:
+            raise ConfigError(f"{where}.rule.trained: must be a number in (0, 1) (a fraction of the untrained "
+                              f"network's validation loss) or null, got {rule_raw['trained']!r}")
+        rule["trained"] = x
     for name, lowest in (("factor", 1.0), ("k", 1.0)):
         if name in rule_raw:
             x = _number(rule_raw[name])
@@ -184,8 +200,9 @@ def best_final(runs: Sequence[RunOutcome]) -> tuple[float, float | None]:
     return min(ok) if ok else (math.nan, None)
 
 
-def judge_grid(runs: Sequence[RunOutcome], rule: Rule) -> list[Verdict]:
-    """The rule's verdict on every run of one arm and seed over the grid (module docstring)."""
+def judge_grid(runs: Sequence[RunOutcome], rule: Rule, init_loss: float = math.nan) -> list[Verdict]:
+    """The rule's verdict on every run of one arm and seed over the grid (module docstring); `init_loss`: L0,
+    read only by `rule.trained` (which is skipped when L0 is unknown)."""
     best, best_lr_ = best_final(runs)
     out = []
     for r in runs:
@@ -199,6 +216,12 @@ def judge_grid(runs: Sequence[RunOutcome], rule: Rule) -> list[Verdict]:
             if r.lr > best_lr_:
                 v.stable = False
                 v.reasons.append(f"final {r.final:.4g} > {rule.factor:g} x best {best:.4g}")
+            else:
+                v.slow = True
+        if rule.trained is not None and math.isfinite(init_loss) and r.final > rule.trained * init_loss:
+            if r.lr >= best_lr_:
+                v.stable = False
+                v.reasons.append(f"did not train: final {r.final:.4g} > {rule.trained:g} x L0 {init_loss:.4g}")
             else:
                 v.slow = True
         if len(r.loss):
