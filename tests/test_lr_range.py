@@ -196,6 +196,7 @@ def _lr(**block):
     (_lr(rule={"factr": 2}), [], "lr_range.rule: unknown key factr; valid: factor, k, window, trained"),
     (_lr(rule={"factor": 0.5}), [], "rule.factor: must be a number > 1"),
     (_lr(rule={"trained": 1.5}), [], "rule.trained: must be a number in (0, 1)"),
+    (_lr(rule={"spike_key": 3}), [], "rule.spike_key: a logged series like loss or grad/total, or null"),
     (_lr(mode="ramps"), [], "lr_range.mode: 'ramps'; choose one of grid, ramp"),
     (_lr(mode="ramp", lrs=[1.0e-4, 1.0e-3, 1.0e-2]), [], "mode ramp sweeps from the first LR to the last; give "
                                                          "exactly two"),
@@ -441,3 +442,16 @@ def test_lr_range_ramp_end_to_end_on_toy2d(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(runner, "train_one", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained again")))
     assert main(["lr-range", str(path), "--out", str(out), "--quiet"]) == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in out.glob("runs/**/*") if p.is_file()}
+
+
+def test_the_spike_series_is_chosen_in_the_rule_and_a_nonpositive_one_is_flagged():
+    from steadydiff.experiments.lr_range import spike_series_warnings
+
+    rule = parse_lr_range({"lrs": [1.0e-3], "rule": {"spike_key": None}}).rule
+    assert rule.spike_key is None and rule.as_dict()["spike_key"] is None
+    assert "spike_key" not in parse_lr_range({"lrs": [1.0e-3]}).design()["rule"]  # the default keeps old designs
+    assert parse_lr_range({"lrs": [1.0e-3], "rule": {"spike_key": "grad/total"}}).rule.spike_key == "grad/total"
+    # EDM2's training loss with the learned log-variance goes below 0: the report says the spike test misreads it.
+    assert spike_series_warnings("loss", 0) == [] and spike_series_warnings(None, 3) == []
+    (w,) = spike_series_warnings("loss", 3)
+    assert "`loss`, which has values <= 0 after the warm-up in 3 run(s)" in w and "spike_key" in w

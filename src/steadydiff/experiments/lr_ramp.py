@@ -67,7 +67,7 @@ def analyse_ramp(exp: Experiment, out: Path, extra: list[str] | None = None, com
             steps = exp.run_config(arm, s, [*extra, *over]).train.steps
             rows, result = read_metrics(ramp_dir(out, arm, s)), results[arm, s]
             vs, val = series(rows, exp.metric)
-            ls, loss = series(rows, "loss")
+            ls, loss = series(rows, rule.spike_key) if rule.spike_key else ([], [])
             # A validation point at step s has seen the updates of steps 0..s-1: it is read at the LR of step s-1.
             at = [ramp_lr(lrs[0], lrs[-1], steps, max(0, st - 1)) for st in vs]
             diverged_at = result.get("diverged_at") if result["status"] != "ok" else None

@@ -118,7 +118,8 @@ def _run_outcome(exp: Experiment, out: Path, arm: str, lr: float, seed: int, ext
     diverged = result["status"] != "ok"
     steps, vals = series(rows, exp.metric)
     final = float(vals[-1]) if vals and not diverged and steps[-1] == result.get("final_step") else math.nan
-    loss_steps, loss = series(rows, "loss")
+    key = exp.lr_range.rule.spike_key
+    loss_steps, loss = series(rows, key) if key else ([], [])
     warmup = cfg.train.warmup_steps
     g_steps, g = series(rows, "grad/total")
     try:
@@ -141,11 +142,13 @@ def analyse_grid(exp: Experiment, out: Path, extra: list[str] | None = None, com
                               f"{'...' if len(missing) > 3 else ''}); run `steadydiff lr-range` without --report-only "
                               "to train them")
     arms: dict[str, Any] = {}
+    nonpositive = 0  # runs whose spike series has a point <= 0 after the warm-up
     for arm in exp.arms:
         seeds: dict[str, Any] = {}
         for s in exp.seeds:
             judged = [_run_outcome(exp, out, arm, lr, s, extra, results[arm, s, (lr_override(lr),)]) for lr in lrs]
             outcomes = [o for o, _ in judged]
+            nonpositive += sum(any(v <= 0 for st, v in zip(o.loss_steps, o.loss) if st >= o.warmup) for o in outcomes)
             l0 = init_loss(exp, out, arm, s, extra)
             verdicts = judge_grid(outcomes, rule, l0)
             stable = [v.stable for v in verdicts]
@@ -179,9 +182,21 @@ def analyse_grid(exp: Experiment, out: Path, extra: list[str] | None = None, com
         "regime": _grid_regime(exp, out, base_cfg), "paper": exp.paper, "registration": claim_status(exp, out),
         "machine": machine_info(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s_total": float(sum(r.get("wall_s", 0.0) for r in results.values())),
+        "warnings": spike_series_warnings(rule.spike_key, nonpositive),
     }
     rep["claims"] = judge_claims(exp, rep)
     return rep
+
+
+def spike_series_warnings(key: str | None, nonpositive: int) -> list[str]:
+    """The report's warning when the spike condition read a series that is not positive (its 'k x the trailing
+    median' then means nothing); the rule stays as registered."""
+    if not key or not nonpositive:
+        return []
+    return [f"The spike condition read `{key}`, which has values <= 0 after the warm-up in {nonpositive} run(s) (a "
+            "learned loss weighting such as EDM2's log-variance u, Eq. 21, makes the training loss go below 0); "
+            "'k x its trailing median' is not meaningful there, so spike verdicts on those runs should not be "
+            "trusted. Set lr_range.rule.spike_key to a positive series, or null, in the next file."]
 
 
 def _grid_regime(exp: Experiment, out: Path, cfg) -> dict[str, Any]:
@@ -227,15 +242,18 @@ def write_markdown(rep: dict[str, Any], out: Path) -> str:
         "each run's fixed stratified validation set",
         f"- Instability rule (pre-registered with the grid): a run is unstable when it diverged, when its final "
         f"validation loss is above {rule['factor']:g}x the best of its arm and seed over the grid at a larger LR "
-        f"than the best one (a run that much worse at a smaller LR is *slow*, not unstable), or when its training "
-        f"loss after the warm-up has a point above {rule['k']:g}x the trailing median of its {rule['window']} "
-        "predecessors" + (f", or (it did not train) its final validation loss is above {rule['trained']:g}x L0, the "
-                           "untrained network's" if rule.get("trained") is not None else "")
+        "than the best one (a run that much worse at a smaller LR is *slow*, not unstable)"
+        + (f", when its logged `{rule.get('spike_key', 'loss')}` after the warm-up has a point above {rule['k']:g}x "
+           f"the trailing median of its {rule['window']} predecessors" if rule.get("spike_key", "loss") else
+           " (no spike condition: rule.spike_key is null)")
+        + (f", or when it did not train: its final validation loss is above {rule['trained']:g}x L0, the untrained "
+           "network's" if rule.get("trained") is not None else "")
         + ". Max stable LR: the largest LR with it and every smaller LR stable (at the grid's top only a "
         "lower bound; unstable at the smallest LR, an upper bound). Best LR: the stable LR with the lowest final "
         "loss. LR sensitivity (Wortsman et al. 2023): the mean over the grid of min(L(lr), L0) - L*, with L0 the "
         "untrained network's validation loss (a diverged run counts as L0).",
     ]
+    lines += [f"- **Warning:** {w}" for w in rep.get("warnings", [])]
     lines += _regime_lines(rep)
     lines += ["", "## Per arm", "", "| arm | seed | max stable LR | best LR | best final | LR sensitivity | L0 "
               "(untrained) |", "|---|---|---|---|---|---|---|"]

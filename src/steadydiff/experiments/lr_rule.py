@@ -14,9 +14,10 @@ The grid trains every (arm, LR, seed) as an ordinary run; the rule and the grid 
    validation loss of that arm and seed over the grid, at an LR *above* the one that reached the best (it
    stalled or degraded). A run that much worse at an LR *below* the best one trained too slowly: it is marked
    `slow`, not unstable, so that a grid starting at too small an LR still has a stable range;
-3. its logged training loss (`loss`, one point per `train.log_every` steps) at steps >= `train.warmup_steps`
-   has a spike: a point above `k` times the trailing median of the (up to) `window` points before it, once it
-   has 5 of them (`diagnostics.stats.spike_indices`, the rule documented there);
+3. its logged training loss (`loss`, one point per `train.log_every` steps; `rule.spike_key` names another
+   positive series, or null for none) at steps >= `train.warmup_steps` has a spike: a point above `k` times
+   the trailing median of the (up to) `window` points before it, once it has 5 of them
+   (`diagnostics.stats.spike_indices`, the rule documented there);
 4. (only with `rule.trained: f`) it did not train: its final validation loss is above f x L0, the validation
    loss of the untrained network on the same set (below the best LR such a run is `slow`, as in 2). Without
    it, a seed whose every LR collapses to the same poor loss would be "stable" everywhere.
@@ -72,10 +73,16 @@ class Rule:
     # A run "did not train" when its final validation loss is above trained x L0 (the untrained network's); off
     # when None. Without it a seed whose every LR collapses to the same poor loss counts as stable everywhere.
     trained: float | None = None
+    # The logged series condition 3 reads (null: no spike condition). It must be positive: EDM2's training loss
+    # with the learned log-variance u (Eq. 21) is lambda/e^u err + u, which goes below 0, and "k x its median"
+    # then means nothing; there, use null or another positive series.
+    spike_key: str | None = "loss"
 
     def as_dict(self) -> dict[str, Any]:
-        """The rule as recorded: `trained` only when set, so files written before it existed keep their design."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if not (k == "trained" and v is None)}
+        """The rule as recorded: `trained` and `spike_key` only when not at their defaults, so files written before
+        they existed keep their recorded design."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not ((k == "trained" and v is None) or (k == "spike_key" and v == "loss"))}
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,12 @@ def parse_lr_range(raw: Any) -> LRRange:
             raise ConfigError(f"{where}.rule.trained: must be a number in (0, 1) (a fraction of the untrained "
                               f"network's validation loss) or null, got {rule_raw['trained']!r}")
         rule["trained"] = x
+    if "spike_key" in rule_raw:
+        key = rule_raw["spike_key"]
+        if key is not None and (not isinstance(key, str) or not key):
+            raise ConfigError(f"{where}.rule.spike_key: a logged series like loss or grad/total, or null (no spike "
+                              f"condition), got {key!r}")
+        rule["spike_key"] = key
     for name, lowest in (("factor", 1.0), ("k", 1.0)):
         if name in rule_raw:
             x = _number(rule_raw[name])
