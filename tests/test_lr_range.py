@@ -23,9 +23,9 @@ from steadydiff.experiments.lr_rule import (
     RunOutcome,
     best_lr,
     judge_grid,
+    judge_ramp,
     lr_sensitivity,
     max_stable_lr,
-    judge_ramp,
     parse_lr_range,
     ramp_lr,
     suggest_grid,
@@ -154,6 +154,17 @@ def test_best_final_claim_compares_each_arm_at_its_own_best():
     assert c["per_seed"] == pytest.approx([0.9, 0.95, 0.85]) and c["claim"] == "less"
     c = _judge("best_final", _arm([None], ["<="], best=[math.inf]), _arm([1e-3], [""], best=[0.2]))
     assert c["bounds"] == [">="]  # no stable run: its worst outcome, a bound
+
+
+def test_lr_sensitivity_claim_is_the_per_seed_ratio_and_flatter_is_less():
+    arm, base = _arm([1e-3] * 6, [""] * 6), _arm([1e-3] * 6, [""] * 6)
+    arm["lr_sensitivity_per_seed"] = [0.10, 0.12, 0.08, 0.11, 0.09, 0.10]
+    base["lr_sensitivity_per_seed"] = [0.20, 0.20, 0.20, 0.22, 0.18, 0.25]
+    c = _judge("lr_sensitivity", arm, base)
+    assert c["per_seed"] == pytest.approx([a / b for a, b in zip(arm["lr_sensitivity_per_seed"],
+                                                                   base["lr_sensitivity_per_seed"])])
+    assert c["claim"] == "less" and c["verdict"] == "holds"
+    assert _judge("lr_sensitivity", base, arm)["verdict"] == "does not hold"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -258,6 +258,21 @@ class BestFinalClaim(ClaimKind):
         return f"best final validation loss (each arm at its own best LR), ratio vs {versus}"
 
 
+class LRSensitivityClaim(ClaimKind):
+    """lr-range: arm / versus ratio of the LR sensitivity on each seed (Wortsman et al. 2023, `lr_rule.py`: the
+    mean over the grid of min(L(lr), L0) - L*); holds if below `threshold` (the arm's loss-vs-LR curve is
+    flatter). A seed with an unknown L0 (no stored validation set) has no value (nan): a tie, it drops out."""
+
+    lr_range = True
+
+    def judge(self, claim, arm, versus, rep):
+        return Evidence(per_seed_ratios(versus["lr_sensitivity_per_seed"], arm["lr_sensitivity_per_seed"]),
+                        more=claim.direction == "more")
+
+    def label(self, c, versus):
+        return f"LR sensitivity, ratio vs {versus}"
+
+
 CLAIM_KINDS: Registry[ClaimKind] = Registry("claim kind")
 CLAIM_KINDS.add("speedup", SpeedupClaim())
 CLAIM_KINDS.add("final", FinalClaim())
@@ -265,3 +280,4 @@ CLAIM_KINDS.add("stability", StabilityClaim())
 CLAIM_KINDS.add("sensitivity", SensitivityClaim())
 CLAIM_KINDS.add("max_stable_lr", MaxStableLRClaim())
 CLAIM_KINDS.add("best_final", BestFinalClaim())
+CLAIM_KINDS.add("lr_sensitivity", LRSensitivityClaim())

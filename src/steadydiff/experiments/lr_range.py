@@ -169,6 +169,7 @@ def analyse_grid(exp: Experiment, out: Path, extra: list[str] | None = None, com
             "max_stable_lr_per_seed": [p["max_stable_lr"] for p in per],
             "max_stable_lr_bounds": [p["max_stable_lr_bound"] for p in per],
             "best_final_per_seed": [p["best_final"] for p in per],
+            "lr_sensitivity_per_seed": [p["lr_sensitivity"] for p in per],
             "horizons_tied": tied_horizons(exp.run_config(arm, exp.seeds[0], [*extra, lr_override(lrs[0])])),
         }
     base_cfg = exp.run_config(exp.baseline, exp.seeds[0], [*extra, lr_override(lrs[0])])

@@ -32,8 +32,8 @@ Optional blocks: `paper:` states the paper's regime beside ours (keys of `regime
 `in_regime: false` when the runs are outside it, and `note`); `calibrate:` sets how `compare --calibrate`
 measures metric noise (`repeats`, `n`, `reference_n`, `arms`, `seeds`, `metrics`, `sizes`); `lr_range:` makes
 the file an LR-range experiment, run by `steadydiff lr-range` (every arm x LR x seed, a pre-registered
-instability rule, claims of kind max_stable_lr and best_final; `lr_rule.py`), whose runs set train.lr only
-through the grid and read the final val/loss or val/ema_loss (diagnostics.val_every dividing train.steps).
+instability rule, claims of kind max_stable_lr, best_final and lr_sensitivity; `lr_rule.py`), whose runs set
+train.lr only through the grid and read the final val/loss or val/ema_loss (diagnostics.val_every dividing train.steps).
 """
 
 from __future__ import annotations
