@@ -197,6 +197,11 @@ def _lr(**block):
     return {"lr_range": {"lrs": [1.0e-4, 2.0e-4], **block}}
 
 
+def _ramp_set():
+    """The tiny spec's `set` without its warm-up (a ramp has none of its own)."""
+    return {k: v for k, v in _spec()["set"].items() if k != "train.warmup_steps"}
+
+
 @pytest.mark.parametrize("change,args,needle", [
     (_lr(lrs=[]), [], "lr_range.lrs: give a non-empty list"),
     (_lr(lrs=[3.0e-4, 1.0e-4]), [], "must be strictly increasing"),
@@ -211,9 +216,10 @@ def _lr(**block):
     (_lr(mode="ramps"), [], "lr_range.mode: 'ramps'; choose one of grid, ramp"),
     (_lr(mode="ramp", lrs=[1.0e-4, 1.0e-3, 1.0e-2]), [], "mode ramp sweeps from the first LR to the last; give "
                                                          "exactly two"),
-    ({**_lr(mode="ramp"), "arms": {"ok": {}, "broken": {"train.lr_schedule": "cosine"}}}, [],
+    ({**_lr(mode="ramp"), "set": _ramp_set(), "arms": {"ok": {}, "broken": {"train.lr_schedule": "cosine"}}}, [],
      "arms.broken: sets train.lr_schedule, which mode ramp sets"),
-    (_lr(mode="ramp"), [], "a ramp (lr_range.mode: ramp) places a grid and makes no claims"),
+    ({**_lr(mode="ramp"), "claims": []}, [], "experiment set: sets train.warmup_steps, which mode ramp sets"),
+    ({**_lr(mode="ramp"), "set": _ramp_set()}, [], "a ramp (lr_range.mode: ramp) places a grid and makes no claims"),
     ({"lr_range": {"lrs": [1.0e-4], "grid": 1}}, [], "lr_range: unknown key grid"),
     ({"arms": {"ok": {}, "broken": {"train.lr": 1.0e-3}}}, [], "arms.broken: sets train.lr"),
     ({"set": {**_spec()["set"], "train.lr": 1.0e-3}}, [], "experiment set: sets train.lr"),
@@ -420,6 +426,7 @@ def test_lr_range_ramp_end_to_end_on_toy2d(tmp_path, capsys, monkeypatch):
 
     spec = _spec(claims=[], seeds=[0], **_lr(mode="ramp", lrs=[1.0e-3, 1.0]))
     spec["set"] = {**spec["set"], "train.steps": 40, "diagnostics.val_every": 4}
+    del spec["set"]["train.warmup_steps"]  # the ramp's own: none
     path, out = tmp_path / "ramp.yaml", tmp_path / "out"
     path.write_text(yaml.safe_dump(spec))
     assert main(["lr-range", str(path), "--out", str(out), "--quiet"]) == 0

@@ -273,7 +273,8 @@ def load_experiment(path: str | Path, extra: list[str] | None = None, strict: bo
 
 
 LR_KEY = "train.lr"
-RAMP_KEYS = ("train.lr_schedule", "train.lr_ramp_end")  # what a ramp sets in every run (`lr_ramp.ramp_overrides`)
+# What a ramp sets in every run (`lr_ramp.ramp_overrides`: its schedule, its end, no warm-up).
+RAMP_KEYS = ("train.lr_schedule", "train.lr_ramp_end", "train.warmup_steps")
 VALIDATION_METRICS = ("val/loss", "val/ema_loss")
 
 
