@@ -14,9 +14,9 @@ Stage `edge`: the edge-of-stability experiments at the papers' scale on the CIFA
 default stores/cifar10, built once by `steadydiff dataset build cifar-10-python.tar.gz --out stores/cifar10
 --labels`), each a `steadydiff lr-range` process training `--edge-workers` runs at once, the three side by side
 on the one GPU: `experiments/scalelong-edge-uvit-s2.yaml` and `scalelong-edge-uvit-s2-d16.yaml` (U-ViT-S/2 depth
-12 and 16, Org / 1/sqrt2 / CS 0.5 / CS 0.8 / LS x 5 LRs x 6 seeds, 5,000 steps each) and
+12 and 16, Org / 1/sqrt2 / CS 0.5 / CS 0.8 / LS x 5 LRs x 8 seeds, 5,000 steps each) and
 `experiments/edm2-edge-cifar10.yaml` (EDM2's MP UNet vs the same-width UNet without MP, and MP + CS 0.5, x 5 LRs
-x 6 seeds). They need many GPU-hours (the files give the FLOP counts): when `--minutes` is spent the processes
+x 8 seeds). They need many GPU-hours (the files give the FLOP counts): when `--minutes` is spent the processes
 are stopped, every run in flight keeps a checkpoint of its last step, and the same command run again resumes
 (finished runs are never trained again); each file's lr_range.md, .json and .png appear in OUT/edge-NAME once
 all its runs have finished. Stage `all` runs both stages at once.

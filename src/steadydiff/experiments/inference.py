@@ -247,6 +247,20 @@ def min_seeds(test: str, alpha: float = ALPHA) -> int:
     return n
 
 
+def smallest_p(test: str, n: int) -> float:
+    """The smallest two-sided p `test` can give on n seeds: 2 / 2^n for the exact sign and Wilcoxon tests (every
+    seed on one side), 0 for the t-test (its p falls without bound as the seeds agree more closely)."""
+    return 0.0 if test == "t" else min(1.0, 2.0 / 2.0**n)
+
+
+def seeds_for_p(p: float, test: str) -> int:
+    """The fewest seeds at which `test`'s smallest p is below p."""
+    n = 1
+    while smallest_p(test, n) >= p:
+        n += 1
+    return n
+
+
 def _binom_sf(k: int, n: int) -> float:
     """P(Binomial(n, 1/2) >= k)."""
     return sum(math.comb(n, i) for i in range(max(k, 0), n + 1)) / 2.0**n

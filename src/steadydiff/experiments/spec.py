@@ -351,4 +351,27 @@ def claims_that_cannot_hold(exp: Experiment, extra: list[str] | None = None) -> 
                                f"with {cfg.train.steps} steps evaluated every {interval} the grid reports at most "
                                f"{cap:.3g} there (larger values are bounds); use an earlier target, more budget, or "
                                "target_value: a metric level both arms reach")
+    if exp.multiplicity == "holm":
+        out.update(_unreachable_under_holm(exp, out))
+    return out
+
+
+def _unreachable_under_holm(exp: Experiment, unreachable: dict[str, str]) -> dict[str, str]:
+    """Claims that Holm's correction keeps from holding whatever the data: give every confirmatory claim the
+    smallest p its test can reach on these seeds (`inference.smallest_p`; 1 for one already unreachable), the
+    most favourable outcome there is; a claim whose Holm-adjusted p is still >= alpha can never hold (e.g. six
+    sign-tested claims on six seeds: 2/64 x 6 > 0.05)."""
+    from .inference import ALPHA, holm, seeds_for_p, smallest_p
+
+    family = [c for c in exp.claims if not c.post_hoc]
+    n = len(exp.seeds)
+    best = [1.0 if c.name in unreachable else smallest_p(c.test, n) for c in family]
+    out = {}
+    for i, (c, adj) in enumerate(zip(family, holm(best))):
+        if adj >= ALPHA and c.name not in unreachable:
+            need = seeds_for_p(ALPHA / sum(p >= best[i] for p in best), c.test)
+            out[c.name] = (f"experiment claims[{exp.claims.index(c)}] ({c.name!r}): with Holm's correction over "
+                           f"{len(family)} confirmatory claims it cannot hold even if every claim with a smaller "
+                           f"reachable p holds first: its {c.test} test's smallest p on {n} seeds is {best[i]:.3g}, "
+                           f"adjusted {adj:.3g} >= {ALPHA:g}; use >= {need} seeds, fewer claims, or test: t")
     return out
