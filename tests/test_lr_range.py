@@ -473,3 +473,36 @@ def test_the_spike_series_is_chosen_in_the_rule_and_a_nonpositive_one_is_flagged
     assert spike_series_warnings("loss", 0) == [] and spike_series_warnings(None, 3) == []
     (w,) = spike_series_warnings("loss", 3)
     assert "`loss`, which has values <= 0 after the warm-up in 3 run(s)" in w and "spike_key" in w
+
+
+def test_claims_that_holm_could_never_pass_are_refused_before_anything_trains(tmp_path, capsys):
+    """Holm over k claims: the best any claim can do is the smallest p of its test on these seeds (2/2^n for the
+    sign test, two-sided; ~0 for t). Three sign claims on 6 seeds: 3 x 2/64 = 0.094 >= 0.05, none can hold; one
+    sign claim among two t claims can (it comes last: 1 x 2/64); two sign claims among two t claims cannot on 6
+    seeds (2 x 2/64 = 0.0625) and can on 7 (2 x 2/128 = 0.031)."""
+    from steadydiff.experiments.inference import holm, seeds_for_p, smallest_p
+
+    assert smallest_p("sign", 6) == 2 / 64 and smallest_p("t", 6) == 0.0 and seeds_for_p(0.025, "sign") == 7
+    assert holm([2 / 64] * 3) == pytest.approx([6 / 64] * 3)  # the arithmetic the check relies on
+
+    def claims(tests, post_hoc=()):
+        return [{"name": f"c{i}", "arm": "broken", "kind": "best_final" if t == "t" else "max_stable_lr", "test": t,
+                 "post_hoc": i in post_hoc} for i, t in enumerate(tests)]
+
+    def unreachable(tests, seeds=6, post_hoc=(), multiplicity="holm"):
+        path = _write(tmp_path, claims=claims(tests, post_hoc), seeds=list(range(seeds)), multiplicity=multiplicity)
+        return sorted(load_experiment(path, strict=False).unreachable)
+
+    assert unreachable(["sign"] * 3) == ["c0", "c1", "c2"]
+    assert unreachable(["sign"] * 3, multiplicity="none") == []
+    assert unreachable(["t", "t", "sign"]) == []
+    assert unreachable(["sign", "t", "t", "sign"]) == ["c0", "c3"]
+    assert unreachable(["sign", "t", "t", "sign"], seeds=7) == []
+    assert unreachable(["sign"] * 3, post_hoc=(1, 2)) == []  # exploratory claims are not in Holm's family
+    # Refused in one line, naming what would make it reachable, and nothing is written.
+    path = _write(tmp_path, claims=claims(["sign", "t", "t", "sign"]), seeds=list(range(6)), multiplicity="holm")
+    out = tmp_path / "out"
+    assert main(["lr-range", str(path), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "with Holm's correction over 4 confirmatory claims it cannot hold" in err[0]
+    assert "use >= 7 seeds, fewer claims, or test: t" in err[0] and not out.exists()
