@@ -522,3 +522,60 @@ def test_plot_series_draws_each_arms_seeds_from_their_metrics(tmp_path):
     assert mod.main([str(tmp_path / "exp"), "--png", str(png)]) == 0 and png.stat().st_size > 1000
     (tmp_path / "empty" / "runs").mkdir(parents=True)
     assert mod.main([str(tmp_path / "empty"), "--png", str(png)]) == 2
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    out = set()
+    for stat in __import__("pathlib").Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_pool_workers_checkpoint_and_stop_when_the_command_is_killed(tmp_path):
+    """`kill -9` of a `compare --workers 2` process alone: its two workers notice within seconds, checkpoint the
+    step they are at and exit, instead of training on as orphans into run directories that a re-run trains too
+    (it happened: a worker of a stopped lr-range checkpointed into a directory the next run then 'resumed')."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = _write_experiment(tmp_path, claims=[], sensitivity=False, seeds=[0], set={
+        **yaml.safe_load(_write_experiment(tmp_path).read_text())["set"], "train.steps": 100000,
+        "train.eval_every": 0, "train.eval_metrics": [], "train.ckpt_every": 100000, "train.log_every": 5})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "steadydiff.cli", "compare", str(path), "--out", str(out),
+                             "--workers", "2", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        logs = [out / "runs" / arm / "seed-0" / "metrics.jsonl" for arm in ("org", "cs")]
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(p.is_file() and p.stat().st_size > 500 for p in logs):
+            time.sleep(0.2)
+        assert all(p.is_file() for p in logs), "the workers did not start training"
+        workers = {w for w in _children(proc.pid) if "spawn_main" in open(f"/proc/{w}/cmdline").read()}
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline and any(__import__("os").path.exists(f"/proc/{w}") and
+                                             open(f"/proc/{w}/stat").read().split()[2] != "Z" for w in workers):
+            time.sleep(0.2)
+        alive = [w for w in workers if __import__("os").path.exists(f"/proc/{w}")
+                 and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+        assert not alive, "pool workers kept training after their command was killed"
+    finally:
+        proc.kill()
+    for arm in ("org", "cs"):
+        rdir = out / "runs" / arm / "seed-0"
+        assert not (rdir / "result.json").exists()  # unfinished: a re-run resumes it
+        # The only checkpoint is the stop's (ckpt_every is 100,000), at a step it had logged.
+        steps = [int(p.name.removeprefix("step-")) for p in (rdir / "checkpoints").glob("step-*")]
+        logged = [json.loads(ln)["step"] for ln in (rdir / "metrics.jsonl").read_text().splitlines()]
+        assert len(steps) == 1 and 0 < steps[0] < 100000 and steps[0] >= max(logged) - 5

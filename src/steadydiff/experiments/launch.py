@@ -149,12 +149,52 @@ def launch_local(todo: list, train: TrainFn, result_of: ResultFn, exp_path: str,
         return results
     threads = max(1, (os.cpu_count() or 1) // workers)
     # spawn: forked torch processes can deadlock in OpenMP; every worker re-imports cleanly.
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(train, exp_path, job, extra, False, threads) for job in todo]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=stop_when_orphaned,
+                             initargs=(os.getpid(),)) as pool:
+        futures = [pool.submit(_train_marked, train, exp_path, job, extra, False, threads) for job in todo]
         for f in as_completed(futures):
             results.append(f.result())
             bar.update(1)
     return results
+
+
+ORPHAN_POLL_S = 1.0  # how often a pool worker checks that the command that started it is still there
+_TRAINING = None  # in a pool worker: a threading.Event set while it trains a run (`_train_marked`)
+
+
+def _train_marked(train: TrainFn, *args: Any) -> dict[str, Any]:
+    """`train(*args)` in a pool worker, marked as training for `stop_when_orphaned`."""
+    if _TRAINING is not None:
+        _TRAINING.set()
+    try:
+        return train(*args)
+    finally:
+        if _TRAINING is not None:
+            _TRAINING.clear()
+
+
+def stop_when_orphaned(parent: int) -> None:
+    """In each local pool worker: when the command that started the pool is gone (killed by a signal sent to it
+    alone, e.g. `kill PID`, or by SIGKILL), stop. A worker that is training signals itself SIGTERM, which the
+    trainer's stop signals turn into a checkpoint of the step and a stop (`train/preemption.py`); once no run is
+    training, the worker exits. Without it the worker trains its run on as an orphan, writing into a run
+    directory that a re-run of the command trains too, and then waits for work for ever (its queue's write end
+    is its own, so it never sees the end of the pipe)."""
+    import threading
+
+    global _TRAINING
+    _TRAINING = threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_POLL_S)
+        if _TRAINING.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+        while _TRAINING.is_set():  # the trainer saves the step's checkpoint, then `train` returns or raises
+            time.sleep(0.1)
+        os._exit(1)  # nobody is left to report to
+
+    threading.Thread(target=watch, name="steadydiff-orphan-watch", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------------------------------------
