@@ -123,17 +123,25 @@ def _lr_text(value: Any, bound: str, first: float | None) -> str:
                                                                    else "")
 
 
-def write_ramp_markdown(rep: dict[str, Any], out: Path) -> str:
-    """lr_range.md of a ramp: the rule, per arm and seed the edge, max stable and best LR, the suggested grid."""
-    lrs, rule, m = rep["lrs"], rep["rule"], rep["machine"]
-    lines = [
-        f"# LR range test (ramp): {rep['experiment']}", "", rep["description"].strip(), "",
+def provenance_lines(rep: dict[str, Any]) -> list[str]:
+    """The lines every lr_range.md opens with: command, report command, file, machine, date and wall time."""
+    m = rep["machine"]
+    return [
         f"- Command: `{rep['command']}`" if rep["command"] else "",
         f"- Report regenerated from the finished runs by: `{rep['report_command']}`" if rep.get("report_command")
         else "",
         f"- Experiment file: `{rep['source']}`",
         f"- Machine: {m['cpu']}, {m['cores']} cores{', ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}",
         f"- Date: {rep['date']}; training wall time, all runs: {rep['wall_s_total'] / 60:.1f} min",
+    ]
+
+
+def write_ramp_markdown(rep: dict[str, Any], out: Path) -> str:
+    """lr_range.md of a ramp: the rule, per arm and seed the edge, max stable and best LR, the suggested grid."""
+    lrs, rule = rep["lrs"], rep["rule"]
+    lines = [
+        f"# LR range test (ramp): {rep['experiment']}", "", rep["description"].strip(), "",
+        *provenance_lines(rep),
         f"- Ramp (Smith 2017): one run per arm and seed, the LR rising exponentially from {lrs[0]:g} to {lrs[-1]:g} "
         f"over the run, no warm-up; `{rep['metric']}` on the run's fixed validation set at each scored step, read "
         "at the LR of the step before it.",

@@ -37,7 +37,7 @@ from ..utils.io import atomic_write, atomic_write_text, read_json
 from .analysis import ExperimentError, _json_safe, judge_claims, machine_info
 from .compare import COMMAND_FILE, launch_options, publish_report
 from .launch import LaunchOptions, plan_lines
-from .lr_ramp import analyse_ramp, plot_ramp, ramp_jobs, ramp_summary_lines, write_ramp_markdown
+from .lr_ramp import analyse_ramp, plot_ramp, provenance_lines, ramp_jobs, ramp_summary_lines, write_ramp_markdown
 from .lr_rule import RunOutcome, best_lr, judge_grid, lr_sensitivity, lr_tag, max_stable_lr
 from .prereg import FILE as PREREG_FILE
 from .prereg import claim_status, record
@@ -229,16 +229,11 @@ def _bound_text(value: Any, bound: str, lowest: float, why: bool = True) -> str:
 
 def write_markdown(rep: dict[str, Any], out: Path) -> str:
     """lr_range.md: the rule, the per-arm table, every run's final loss and verdict, the regime, the verdicts."""
-    lrs, rule, m = rep["lrs"], rep["rule"], rep["machine"]
+    lrs, rule = rep["lrs"], rep["rule"]
     tags = [lr_tag(lr) for lr in lrs]
     lines = [
         f"# LR range: {rep['experiment']}", "", rep["description"].strip(), "",
-        f"- Command: `{rep['command']}`" if rep["command"] else "",
-        f"- Report regenerated from the finished runs by: `{rep['report_command']}`" if rep.get("report_command")
-        else "",
-        f"- Experiment file: `{rep['source']}`",
-        f"- Machine: {m['cpu']}, {m['cores']} cores{', ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}",
-        f"- Date: {rep['date']}; training wall time, all runs: {rep['wall_s_total'] / 60:.1f} min",
+        *provenance_lines(rep),
         f"- Grid: lr {', '.join(f'{lr:g}' for lr in lrs)}; seeds {rep['seeds']} (paired); final `{rep['metric']}` on "
         "each run's fixed stratified validation set",
         f"- Instability rule (pre-registered with the grid): a run is unstable when it diverged, when its final "
