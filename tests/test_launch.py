@@ -69,6 +69,7 @@ def _signal_at_step(out: Path, label: str, step: int, box: dict) -> None:
     while time.monotonic() < end:
         if metrics.is_file() and any(r.get("step", 0) >= step for r in metrics_rows(metrics.parent)):
             pid = _task_pid(out, label)
+            box["seen"] = max(r.get("step", 0) for r in metrics_rows(metrics.parent))
             os.kill(pid, signal.SIGUSR2)
             box["signalled"] = pid
             return
@@ -132,14 +133,18 @@ def test_a_job_at_its_time_limit_checkpoints_its_step_is_requeued_and_resumes(tr
     assert box.get("signalled"), "the watcher never signalled the job"
     run = _run(root / "cluster", "org/seed-0")
     steps = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
-    stopped = [s for s in steps if s % CKPT]  # the step boundary the signal stopped at, besides the periodic ones
-    assert len(stopped) == 1 and 5 <= stopped[0] < STEPS, steps
+    # The step boundary the signal stopped at has a checkpoint besides the periodic ones, unless (on loaded cores,
+    # where the watcher lags the job) the job had reached a periodic step by the time the signal came: then that
+    # step's checkpoint is the one it stopped at. Either way it is at or after the step the watcher saw.
+    stopped = [s for s in steps if s % CKPT]
+    assert len(stopped) <= 1 and all(box["seen"] <= s < STEPS for s in stopped), (steps, box)
+    assert any(s >= box["seen"] for s in steps), (steps, box)
     job = json.loads((root / "cluster" / "submitit" / "jobs.json").read_text())["org/seed-0"]["job_id"]
     log = (root / "cluster" / "submitit" / f"{job}_0_log.out").read_text()
     err = (root / "cluster" / "submitit" / f"{job}_0_log.err").read_text()
     # submitit saw a time limit (not a preemption) and requeued the job once, with one requeue left of 2.
     assert "this job is timed-out" in err + log and "(1 remaining timeouts)" in err + log, err[-2000:]
-    assert f"stopped by SIGUSR2 at step {stopped[0]}" not in err  # handed to submitit, not an error
+    assert "stopped by SIGUSR2" not in err  # handed to submitit, not an error
     # The other job was never signalled: its checkpoints are the periodic ones.
     other = _run(root / "cluster", "cs/seed-0")
     assert all(int(p.name.split("-")[1]) % CKPT == 0 for p in (other / "checkpoints").glob("step-*"))
