@@ -159,38 +159,60 @@ def launch_local(todo: list, train: TrainFn, result_of: ResultFn, exp_path: str,
 
 
 ORPHAN_POLL_S = 1.0  # how often a pool worker checks that the command that started it is still there
-_TRAINING = None  # in a pool worker: a threading.Event set while it trains a run (`_train_marked`)
+
+
+class _WorkerState:
+    """In a pool worker: whether it trains a run now, and whether its command is gone (then it starts no run)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.training = False
+        self.orphaned = False
+
+
+_WORKER: _WorkerState | None = None  # set by `stop_when_orphaned` in each pool worker
 
 
 def _train_marked(train: TrainFn, *args: Any) -> dict[str, Any]:
-    """`train(*args)` in a pool worker, marked as training for `stop_when_orphaned`."""
-    if _TRAINING is not None:
-        _TRAINING.set()
+    """`train(*args)` in a pool worker, marked as training for `stop_when_orphaned`. An orphaned worker exits here
+    instead: the executor queues a run ahead to each worker, and one whose command died while it stopped its last
+    run would otherwise pick that run up and train it to the end."""
+    w = _WORKER
+    if w is not None:
+        with w.lock:
+            if w.orphaned:
+                os._exit(1)
+            w.training = True
     try:
         return train(*args)
     finally:
-        if _TRAINING is not None:
-            _TRAINING.clear()
+        if w is not None:
+            with w.lock:
+                w.training = False
 
 
 def stop_when_orphaned(parent: int) -> None:
     """In each local pool worker: when the command that started the pool is gone (killed by a signal sent to it
     alone, e.g. `kill PID`, or by SIGKILL), stop. A worker that is training signals itself SIGTERM, which the
-    trainer's stop signals turn into a checkpoint of the step and a stop (`train/preemption.py`); once no run is
-    training, the worker exits. Without it the worker trains its run on as an orphan, writing into a run
-    directory that a re-run of the command trains too, and then waits for work for ever (its queue's write end
-    is its own, so it never sees the end of the pipe)."""
+    trainer's stop signals turn into a checkpoint of the step and a stop (`train/preemption.py`); it starts no
+    further run, and exits once none is training. Without it the worker trains its run on as an orphan, writing
+    into a run directory that a re-run of the command trains too, and then waits for work for ever (its queue's
+    write end is its own, so it never sees the end of the pipe)."""
     import threading
 
-    global _TRAINING
-    _TRAINING = threading.Event()
+    global _WORKER
+    w = _WORKER = _WorkerState()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(ORPHAN_POLL_S)
-        if _TRAINING.is_set():
+        with w.lock:  # from here on `_train_marked` starts nothing
+            w.orphaned, training = True, w.training
+        if training:
             os.kill(os.getpid(), signal.SIGTERM)
-        while _TRAINING.is_set():  # the trainer saves the step's checkpoint, then `train` returns or raises
+        while w.training:  # the trainer saves the step's checkpoint, then `train` returns or raises
             time.sleep(0.1)
         os._exit(1)  # nobody is left to report to
 
